@@ -1,0 +1,244 @@
+"""Parallel layouts: ``configs/parallel/*.yaml``.
+
+A layout YAML is a fragment of the recipe config with verl's key names, so it composes into a
+full recipe unchanged and a verl user finds the same keys::
+
+    trainer: {nnodes, n_gpus_per_node, device, npu_kind, device_memory_gb}
+    actor_rollout_ref:
+      actor:
+        megatron: {tensor_model_parallel_size, pipeline_model_parallel_size, ...}
+      rollout: {tensor_model_parallel_size, data_parallel_size, expert_parallel_size,
+                gpu_memory_utilization}
+
+Unknown keys are errors that name the nearest known key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+import yaml
+
+from megatron_bridge.errors import ConfigError
+
+DEVICES = ("npu", "cuda", "cpu")
+NPU_KINDS = ("a2", "a3")
+
+
+@dataclass(frozen=True)
+class TrainParallel:
+    """Megatron-core training parallelism (``actor_rollout_ref.actor.megatron``)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None  # megatron's default: the same as TP
+    cp: int = 1
+    sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    recompute_granularity: str | None = None  # full | selective | None
+    recompute_method: str | None = None  # uniform | block (full only)
+    recompute_num_layers: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+
+@dataclass(frozen=True)
+class RolloutParallel:
+    """Rollout engine parallelism (``actor_rollout_ref.rollout``), vLLM semantics: with expert
+    parallel on, EP = TP x DP; off, experts are tensor-sharded over TP x DP."""
+
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 1024  # sequences per engine step; sizes the MC2 buffer
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nnodes: int = 1
+    devices_per_node: int = 1
+    device: str = "cpu"
+    npu_kind: str | None = None  # a2 | a3, decides MC2
+    device_memory_gb: float | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    train: TrainParallel = field(default_factory=TrainParallel)
+    rollout: RolloutParallel = field(default_factory=RolloutParallel)
+    cluster: Cluster = field(default_factory=Cluster)
+
+    def with_cluster(self, **overrides: Any) -> "Layout":
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return replace(self, cluster=replace(self.cluster, **given))
+
+
+# YAML key -> dataclass field, per section. verl's names where verl has the setting.
+_TRAIN_KEYS = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "virtual_pipeline_model_parallel_size": "vpp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "context_parallel_size": "cp",
+    "sequence_parallel": "sequence_parallel",
+    "num_layers_in_first_pipeline_stage": "first_stage_layers",
+    "num_layers_in_last_pipeline_stage": "last_stage_layers",
+    "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
+    "use_distributed_optimizer": "use_distributed_optimizer",
+    "param_offload": "param_offload",
+    "grad_offload": "grad_offload",
+    "optimizer_offload": "optimizer_offload",
+}
+_RECOMPUTE_KEYS = {
+    "recompute_granularity": "recompute_granularity",
+    "recompute_method": "recompute_method",
+    "recompute_num_layers": "recompute_num_layers",
+}
+_ROLLOUT_KEYS = {
+    "tensor_model_parallel_size": "tp",
+    "data_parallel_size": "dp",
+    "expert_parallel_size": "ep",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "max_num_seqs": "max_num_seqs",
+}
+_CLUSTER_KEYS = {
+    "nnodes": "nnodes",
+    "n_gpus_per_node": "devices_per_node",
+    "device": "device",
+    "npu_kind": "npu_kind",
+    "device_memory_gb": "device_memory_gb",
+}
+
+
+def check_keys(section: Mapping[str, Any], known: list[str], where: str) -> None:
+    """Raise for the first unknown key, naming the nearest known one."""
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(section).__name__}")
+    for key in section:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(known)}"
+            raise ConfigError(f"{where}.{key}: unknown key{hint}")
+
+
+def _typed(cls, values: Mapping[str, Any], where: str):
+    types = {f.name: f.type for f in fields(cls)}
+    out = {}
+    for name, value in values.items():
+        kind = types[name]
+        if value is None:
+            if "None" not in kind:
+                raise ConfigError(f"{where}: {name} must be set")
+        elif kind.startswith("int"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}: {name}={value!r} must be a positive integer")
+        elif kind.startswith("float"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{where}: {name}={value!r} must be a positive number")
+            value = float(value)
+        elif kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{where}: {name}={value!r} must be true or false")
+        out[name] = value
+    return cls(**out)
+
+
+def _section(data: Mapping[str, Any], path: list[str], where: str) -> Mapping[str, Any]:
+    node: Any = data
+    for key in path:
+        node = node.get(key) or {} if isinstance(node, Mapping) else {}
+        where = f"{where}.{key}" if where else key
+        check_keys(node, list(_CHILDREN.get(key, ())) or list(node), where)
+    return node
+
+
+# Which keys each nesting level may hold.
+_CHILDREN = {
+    "trainer": list(_CLUSTER_KEYS),
+    "actor_rollout_ref": ["actor", "rollout"],
+    "actor": ["megatron"],
+    "megatron": list(_TRAIN_KEYS) + ["override_transformer_config"],
+    "override_transformer_config": list(_RECOMPUTE_KEYS),
+    "rollout": list(_ROLLOUT_KEYS),
+}
+
+
+def _pick(section: Mapping[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
+    return {mapping[k]: v for k, v in section.items() if k in mapping}
+
+
+def layout_from_dict(data: Mapping[str, Any], name: str) -> Layout:
+    check_keys(data, ["trainer", "actor_rollout_ref"], name)
+    megatron = _section(data, ["actor_rollout_ref", "actor", "megatron"], name)
+    recompute = _section(megatron, ["override_transformer_config"], f"{name}.actor_rollout_ref.actor.megatron")
+    rollout = _section(data, ["actor_rollout_ref", "rollout"], name)
+    cluster = _section(data, ["trainer"], name)
+    train_values = {**_pick(megatron, _TRAIN_KEYS), **_pick(recompute, _RECOMPUTE_KEYS)}
+    layout = Layout(
+        name=name,
+        train=_typed(TrainParallel, train_values, f"{name}: actor_rollout_ref.actor.megatron"),
+        rollout=_typed(RolloutParallel, _pick(rollout, _ROLLOUT_KEYS), f"{name}: actor_rollout_ref.rollout"),
+        cluster=_typed(Cluster, _pick(cluster, _CLUSTER_KEYS), f"{name}: trainer"),
+    )
+    if layout.cluster.device not in DEVICES:
+        raise ConfigError(f"{name}: trainer.device={layout.cluster.device!r}; choose one of {', '.join(DEVICES)}")
+    if layout.cluster.npu_kind not in (None, *NPU_KINDS):
+        raise ConfigError(f"{name}: trainer.npu_kind={layout.cluster.npu_kind!r}; choose one of {', '.join(NPU_KINDS)}")
+    if not 0 < layout.rollout.gpu_memory_utilization < 1:
+        raise ConfigError(f"{name}: actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1)")
+    return layout
+
+
+def layout_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "parallel")
+
+
+def shipped_layouts() -> list[str]:
+    return sorted(os.path.join(layout_dir(), f) for f in os.listdir(layout_dir()) if f.endswith(".yaml"))
+
+
+def load_layout(path: str) -> Layout:
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(layout_dir(), f"{path}.yaml")):
+        path = os.path.join(layout_dir(), f"{path}.yaml")
+    if not os.path.isfile(path):
+        names = ", ".join(os.path.basename(p)[:-5] for p in shipped_layouts())
+        raise ConfigError(f"parallel layout {path!r}: no such file; shipped layouts: {names}")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    return layout_from_dict(data, name=os.path.basename(path).removesuffix(".yaml"))
+
+
+def layout_to_dict(layout: Layout) -> dict[str, Any]:
+    """The YAML form of a layout (inverse of layout_from_dict)."""
+    t, r, c = layout.train, layout.rollout, layout.cluster
+    inv = lambda mapping, obj: {k: getattr(obj, v) for k, v in mapping.items()}  # noqa: E731
+    megatron = inv(_TRAIN_KEYS, t)
+    megatron["override_transformer_config"] = inv(_RECOMPUTE_KEYS, t)
+    return {
+        "trainer": inv(_CLUSTER_KEYS, c),
+        "actor_rollout_ref": {"actor": {"megatron": megatron}, "rollout": inv(_ROLLOUT_KEYS, r)},
+    }

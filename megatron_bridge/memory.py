@@ -1,0 +1,294 @@
+"""Per-device memory of a layout: exact static terms, estimated dynamic ones.
+
+Exact (for megatron's local spec; the TE spec has the same tensors in a slightly different order,
+which moves only the alignment padding): bf16 weights, fp32 main gradients and the distributed
+optimizer's fp32 main parameters and Adam moments, reproducing megatron-core 0.12.1's buffer layout
+(``_ParamAndGradBuffer``: reverse parameter order, 64-element alignment, buckets padded to
+lcm(DP, 128)) and its sharding: dense parameters over DP*CP, expert parameters (EP > 1) over the
+expert-data-parallel group EDP = W / (ETP*EP*PP). These differ for MoE (facts §2, §5).
+
+Estimated: activations (with and without full recompute), fp32 vocab-parallel logits, the rollout
+engine's share. The formulas are stated where they are computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_bridge.layout import Layout, TrainParallel
+from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.stages import layers_per_chunk
+
+GIB = 1024**3
+PARAM_BYTES = 2  # bf16 weights
+GRAD_BYTES = 4  # fp32 main grads (grad_reduce_in_fp32)
+MAIN_PARAM_BYTES = 4  # fp32 master copy of a bf16 parameter
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps a 0-dim fp32 step tensor per parameter (shard)
+
+
+@dataclass(frozen=True)
+class Param:
+    numel: int
+    expert: bool  # lives in megatron's expert-parallel buffer (EP > 1), sharded over EDP
+
+
+def _layer_params(spec: ModelSpec, t: TrainParallel) -> list[Param]:
+    """One decoder layer on one rank, in ``named_parameters()`` order of the local spec."""
+    h, tp, etp = spec.hidden_size, t.tp, t.expert_tp
+    experts_in_own_buffer = t.ep > 1
+    params = [
+        Param(h, False),  # input_layernorm
+        Param(h * spec.q_dim // tp, False),  # self_attention.linear_proj
+        Param((spec.q_dim + 2 * spec.kv_dim) // tp * h, False),  # self_attention.linear_qkv
+        Param(spec.head_dim, False),  # q_layernorm
+        Param(spec.head_dim, False),  # k_layernorm
+        Param(h, False),  # pre_mlp_layernorm
+        Param(spec.num_experts * h, False),  # mlp.router
+    ]
+    for _ in range(spec.num_experts // t.ep):
+        params.append(Param(2 * spec.moe_ffn_hidden_size // etp * h, experts_in_own_buffer))  # linear_fc1
+        params.append(Param(h * spec.moe_ffn_hidden_size // etp, experts_in_own_buffer))  # linear_fc2
+    return params
+
+
+def chunk_params(spec: ModelSpec, t: TrainParallel, pp_rank: int, vp_rank: int) -> list[Param]:
+    """Parameters of one model chunk on one rank, in ``named_parameters()`` order."""
+    layers = layers_per_chunk(spec.num_layers, t)[pp_rank][vp_rank]
+    first = pp_rank == 0 and vp_rank == 0
+    last = pp_rank == t.pp - 1 and vp_rank == (t.vpp or 1) - 1
+    vocab_shard = spec.vocab_size // t.tp * spec.hidden_size
+    params = [Param(vocab_shard, False)] if first else []
+    params += _layer_params(spec, t) * layers
+    if last:
+        params.append(Param(spec.hidden_size, False))  # final_layernorm
+        if not (spec.tie_word_embeddings and t.pp == 1):
+            params.append(Param(vocab_shard, False))  # output_layer
+    return params
+
+
+def _pad(n: int, divisor: int) -> int:
+    return -(-n // divisor) * divisor
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """megatron's ``_ParamAndGradBuffer`` layout: total size and each parameter's range."""
+
+    numel: int
+    ranges: list[tuple[int, int]]
+    buckets: list[tuple[int, int]]
+
+
+def buffer_layout(numels: list[int], dp: int, distributed_optimizer: bool, bucket_size: int | None = None) -> Buffer:
+    """Where each parameter sits in a grad buffer (mirrors _ParamAndGradBuffer.__init__)."""
+
+    def pad_bucket(i: int) -> int:
+        return _pad(i, math.lcm(dp, 128)) if distributed_optimizer else i
+
+    ranges: list[tuple[int, int]] = []
+    buckets: list[tuple[int, int]] = []
+    start = bucket_start = end = 0
+    open_bucket = False
+    for n in reversed(numels):  # megatron fills buffers in reverse (backprop) order
+        if distributed_optimizer:
+            start = _pad(start, 64)
+        end = start + n
+        ranges.append((start, end))
+        open_bucket = True
+        if bucket_size is not None and end - bucket_start >= bucket_size:
+            closed = pad_bucket(end)
+            buckets.append((bucket_start, closed))
+            bucket_start = start = closed
+            open_bucket = False
+        else:
+            start = end
+    if open_bucket:
+        buckets.append((bucket_start, pad_bucket(end)))
+    return Buffer(numel=buckets[-1][1] if buckets else 0, ranges=ranges, buckets=buckets)
+
+
+def shard_numel(buffer: Buffer, dp: int, dp_rank: int) -> int:
+    """Parameter elements in one DP rank's optimizer shard (each bucket split in dp equal parts)."""
+    total = 0
+    for b_start, b_end in buffer.buckets:
+        size = (b_end - b_start) // dp
+        lo, hi = b_start + dp_rank * size, b_start + (dp_rank + 1) * size
+        total += sum(max(0, min(e, hi) - max(s, lo)) for s, e in buffer.ranges)
+    return total
+
+
+def shard_param_count(buffer: Buffer, dp: int, dp_rank: int) -> int:
+    """Parameters with a non-empty slice in one DP rank's shard (one optimizer state entry each)."""
+    count = 0
+    for b_start, b_end in buffer.buckets:
+        size = (b_end - b_start) // dp
+        lo, hi = b_start + dp_rank * size, b_start + (dp_rank + 1) * size
+        count += sum(1 for s, e in buffer.ranges if min(e, hi) > max(s, lo))
+    return count
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Bytes on one rank, per term."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def data_parallel_sizes(layout: Layout) -> tuple[int, int]:
+    """(DP*CP, EDP): the groups dense and expert optimizer states are sharded over."""
+    t, w = layout.train, layout.cluster.world_size
+    return w // (t.tp * t.pp), w // (t.expert_tp * t.ep * t.pp)
+
+
+def static_memory(spec: ModelSpec, layout: Layout, pp_rank: int, dp_rank: int | None = None,
+                  edp_rank: int | None = None) -> StaticMemory:
+    """Weights, grads and optimizer states of a rank on pipeline stage ``pp_rank``. Without DP
+    ranks, the worst rank of the stage (shards differ by the alignment padding)."""
+    t = layout.train
+    dp, edp = data_parallel_sizes(layout)
+    weights = grads = optimizer = 0
+    for vp_rank in range(t.vpp or 1):
+        params = chunk_params(spec, t, pp_rank, vp_rank)
+        for expert, size, rank in ((False, dp, dp_rank), (True, edp, edp_rank)):
+            numels = [p.numel for p in params if p.expert == expert]
+            if not numels:
+                continue
+            if not t.use_distributed_optimizer:
+                n = sum(numels)
+                weights += n * PARAM_BYTES
+                grads += n * GRAD_BYTES
+                optimizer += n * (MAIN_PARAM_BYTES + ADAM_BYTES) + len(numels) * ADAM_STEP_BYTES
+                continue
+            buf = buffer_layout(numels, size, distributed_optimizer=True)
+            weights += buf.numel * PARAM_BYTES  # the distributed optimizer re-homes params in a padded buffer
+            grads += buf.numel * GRAD_BYTES
+            ranks = range(size) if rank is None else [rank]
+            optimizer += max(
+                shard_numel(buf, size, r) * (MAIN_PARAM_BYTES + ADAM_BYTES)
+                + shard_param_count(buf, size, r) * ADAM_STEP_BYTES
+                for r in ranks
+            )
+    return StaticMemory(weights, grads, optimizer)
+
+
+# ---- estimates -----------------------------------------------------------------------------
+
+
+def activation_bytes_per_layer(spec: ModelSpec, t: TrainParallel, tokens: int) -> int:
+    """ESTIMATE of what one layer keeps for backward for ``tokens`` tokens of one micro-batch,
+    bf16, flash attention (no s^2 scores), sequence parallel: each rank holds tokens/(TP*CP) of
+    the sequence. Attention: ln input, qkv input, q/k/v, core output, proj input.
+    MoE: ln input, router input, fp32 router logits, and per routed copy (top-k) the permuted
+    input, fc1 output (2I/ETP), activation (I/ETP) and fc2 output."""
+    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.moe_ffn_hidden_size // t.expert_tp
+    local = tokens / (t.tp * t.cp)
+    attention = 2 * (2 * h + 3 * q + 2 * kv)
+    moe = 2 * (2 * h + spec.moe_topk * (2 * h + 3 * i)) + 4 * spec.num_experts
+    return int(local * (attention + moe))
+
+
+def in_flight_microbatches(t: TrainParallel) -> float:
+    """Micro-batches whose activations the first stage holds at the 1F1B peak (PP), times
+    megatron's interleaving penalty 1 + (PP-1)/(PP*VPP)."""
+    if t.vpp:
+        return t.pp * (1 + (t.pp - 1) / (t.pp * t.vpp))
+    return float(t.pp)
+
+
+def activation_memory(spec: ModelSpec, t: TrainParallel, layers: int, tokens: int) -> int:
+    """ESTIMATE of the peak activations of a stage with ``layers`` layers."""
+    per_layer = activation_bytes_per_layer(spec, t, tokens)
+    if t.recompute_granularity == "full":
+        # Only each layer's input is kept; one recompute group is rebuilt at a time in backward.
+        kept = layers * 2 * spec.hidden_size * tokens / (t.tp * t.cp)
+        rebuilt = per_layer * min(t.recompute_num_layers or 1, layers)
+        return int(kept * in_flight_microbatches(t) + rebuilt)
+    return int(layers * per_layer * in_flight_microbatches(t))
+
+
+def logits_memory(spec: ModelSpec, t: TrainParallel, tokens: int) -> int:
+    """ESTIMATE for the last stage: vocab-parallel logits of a micro-batch, bf16 output plus the
+    fp32 copy and fp32 softmax that cross-entropy / log-prob and entropy keep (2 + 4 + 4 bytes)."""
+    return int(tokens / t.cp * spec.vocab_size / t.tp * 10)
+
+
+def rollout_weight_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """bf16 rollout weights per device: dense parts over rollout TP, experts over TP*DP (vLLM
+    shards MoE over TP*DP with or without expert parallel)."""
+    r = layout.rollout
+    experts = spec.num_layers * spec.num_experts * spec.expert_params
+    dense = spec.total_params - experts
+    return int(2 * (dense / r.tp + experts / (r.tp * r.dp)))
+
+
+@dataclass
+class MemoryReport:
+    """Worst pipeline stage's memory per device, in bytes; ``exact`` marks the exact terms."""
+
+    pp_rank: int
+    static: StaticMemory
+    activations: int
+    logits: int
+    device_bytes: int | None
+    rollout_share: int | None
+    rollout_weights: int
+    resident_during_rollout: int
+    terms: list[tuple[str, int, bool]] = field(default_factory=list)
+
+    @property
+    def train_peak(self) -> int:
+        return self.static.total + self.activations + self.logits
+
+    @property
+    def train_fits(self) -> bool | None:
+        return None if self.device_bytes is None else self.train_peak <= self.device_bytes
+
+    @property
+    def rollout_fits(self) -> bool | None:
+        if self.device_bytes is None:
+            return None
+        return (self.resident_during_rollout + self.rollout_share <= self.device_bytes
+                and self.rollout_weights < self.rollout_share)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.device_bytes is None:
+            return None
+        return bool(self.train_fits and self.rollout_fits)
+
+
+def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1) -> MemoryReport:
+    """Memory per device on the worst pipeline stage of a validated layout."""
+    t, cl, r = layout.train, layout.cluster, layout.rollout
+    tokens = seq_len * micro_batch_size
+    device = int(cl.device_memory_gb * GIB) if cl.device_memory_gb else None
+    chunks = layers_per_chunk(spec.num_layers, t)
+    reports = []
+    for pp_rank in range(t.pp):
+        static = static_memory(spec, layout, pp_rank)
+        acts = activation_memory(spec, t, sum(chunks[pp_rank]), tokens)
+        logits = logits_memory(spec, t, tokens) if pp_rank == t.pp - 1 else 0
+        resident = (0 if t.param_offload else static.weights) + (0 if t.grad_offload else static.grads) + (
+            0 if t.optimizer_offload else static.optimizer)
+        reports.append(MemoryReport(
+            pp_rank=pp_rank, static=static, activations=acts, logits=logits, device_bytes=device,
+            rollout_share=int(r.gpu_memory_utilization * device) if device else None,
+            rollout_weights=rollout_weight_bytes(spec, layout), resident_during_rollout=resident,
+        ))
+    worst = max(reports, key=lambda m: m.train_peak)
+    worst.terms = [
+        ("weights (bf16)", worst.static.weights, True),
+        ("grads (fp32 main grads)", worst.static.grads, True),
+        ("optimizer (fp32 master + Adam m, v)", worst.static.optimizer, True),
+        ("activations" + (" (full recompute)" if t.recompute_granularity == "full" else ""), worst.activations, False),
+        ("logits (fp32, vocab-parallel)", worst.logits, False),
+    ]
+    return worst

@@ -1,0 +1,108 @@
+"""Pick the platform before megatron is imported: ``npu`` (torch_npu + MindSpeed, hccl),
+``cuda`` (nccl) or ``cpu`` (gloo, tests and the tiny default only).
+
+An explicitly requested accelerator that is not there is an error, never a silent CPU run.
+The choice comes from the argument, else ``$MOE_RL_PLATFORM``, else detection.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from megatron_bridge.errors import ConfigError
+
+PLATFORM_ENV = "MOE_RL_PLATFORM"
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str  # npu | cuda | cpu
+    backend: str  # torch.distributed backend
+    rollout_engine: str  # vllm_ascend | vllm | hf
+    # Context parallel needs TE's or MindSpeed's attention; megatron's local attention asserts CP == 1.
+    supports_context_parallel: bool
+
+    @property
+    def device_type(self) -> str:
+        return self.name
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, local_rank)
+
+
+PLATFORMS = {
+    "npu": Platform("npu", "hccl", "vllm_ascend", supports_context_parallel=True),
+    "cuda": Platform("cuda", "nccl", "vllm", supports_context_parallel=True),
+    "cpu": Platform("cpu", "gloo", "hf", supports_context_parallel=False),
+}
+
+_active: Platform | None = None
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return torch.npu.is_available()
+
+
+def detect() -> str:
+    if _npu_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _activate_npu() -> None:
+    if "megatron.core" in sys.modules:
+        raise ConfigError(
+            "platform npu: megatron was imported before MindSpeed's adaptor; call "
+            "megatron_bridge.platform.activate('npu') before importing megatron"
+        )
+    for module in ("torch_npu", "torch_npu.contrib.transfer_to_npu", "mindspeed.megatron_adaptor"):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(
+                f"platform npu: cannot import {module} ({e}); install torch_npu and MindSpeed "
+                "(see README, 'Install on Ascend')"
+            ) from e
+    if not torch.npu.is_available():
+        raise ConfigError("platform npu was requested but torch.npu.is_available() is False")
+
+
+def activate(name: str | None = None) -> Platform:
+    """Activate a platform for this process; the same one may be activated again."""
+    global _active
+    name = name or os.environ.get(PLATFORM_ENV) or detect()
+    if name not in PLATFORMS:
+        raise ConfigError(f"platform {name!r} is unknown; choose one of: {', '.join(PLATFORMS)}")
+    if _active is not None:
+        if _active.name != name:
+            raise ConfigError(f"platform {_active.name} is already active; cannot switch to {name}")
+        return _active
+    if name == "npu":
+        _activate_npu()
+    elif name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("platform cuda was requested but torch.cuda.is_available() is False")
+    else:
+        from megatron_bridge import cpu_adaptor
+
+        cpu_adaptor.install()
+    _active = PLATFORMS[name]
+    return _active
+
+
+def active() -> Platform:
+    if _active is None:
+        raise RuntimeError("no platform is active; call megatron_bridge.platform.activate() first")
+    return _active

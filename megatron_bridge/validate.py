@@ -1,0 +1,350 @@
+"""Check a parallel layout against the model and the cluster before any process starts.
+
+``validate`` returns every violated rule (not only the first), each naming the rule, the values
+and the valid choices. The rules are megatron-core 0.12.1's and vLLM / vLLM-Ascend's, with their
+sources in shared/reference/facts_megatron_qwen3moe.md (§2 training, §3 rollout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from megatron_bridge.layout import Layout
+from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.stages import layers_per_stage
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+@dataclass(frozen=True)
+class Context:
+    spec: ModelSpec
+    layout: Layout
+    seq_len: int
+    # Context parallel needs TE's or MindSpeed's attention (megatron's local attention asserts CP == 1).
+    context_parallel_available: bool
+
+
+def _choices(values: Iterable[int]) -> str:
+    values = list(values)
+    return ", ".join(str(v) for v in values) if values else "none"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+Rule = Callable[[Context], Iterable[Violation]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def _train_tp_ok(spec: ModelSpec, tp: int) -> bool:
+    return spec.num_attention_heads % tp == 0 and spec.num_query_groups % tp == 0 and spec.vocab_size % tp == 0
+
+
+# ---- training: tensor parallel -------------------------------------------------------------
+
+
+@rule
+def tp_divides_heads_and_groups(c: Context):
+    s, tp = c.spec, c.layout.train.tp
+    valid = _choices(t for t in _divisors(c.layout.cluster.world_size) if _train_tp_ok(s, t))
+    for what, n in (("num_attention_heads", s.num_attention_heads), ("num_query_groups", s.num_query_groups)):
+        if n % tp:
+            yield Violation(
+                "train.tp_divides_" + what,
+                f"tensor_model_parallel_size={tp}: {what} ({n}) must be a multiple of it; "
+                f"valid TP for this model: {valid}",
+            )
+    if s.vocab_size % tp:
+        yield Violation(
+            "train.tp_divides_vocab",
+            f"tensor_model_parallel_size={tp}: vocab_size ({s.vocab_size}) must be divisible by it "
+            f"(vocab-parallel embedding and logits); valid TP for this model: {valid}",
+        )
+
+
+@rule
+def sequence_parallel(c: Context):
+    t = c.layout.train
+    if t.sequence_parallel and t.tp == 1:
+        yield Violation(
+            "train.sp_needs_tp",
+            "sequence_parallel=true needs tensor_model_parallel_size > 1; set sequence_parallel: false",
+        )
+    if t.tp > 1 and not t.sequence_parallel:
+        yield Violation(
+            "train.moe_tp_needs_sp",
+            f"tensor_model_parallel_size={t.tp} on an MoE model needs sequence_parallel: true "
+            "(megatron-core refuses to train MoE with TP > 1 without it)",
+        )
+    if t.sequence_parallel and t.tp > 1 and (c.seq_len // t.cp) % t.tp:
+        yield Violation(
+            "train.sp_seq_divisible",
+            f"sequence parallel splits each sequence over TP: seq_len/CP ({c.seq_len}/{t.cp}) must be "
+            f"divisible by tensor_model_parallel_size={t.tp}; pad sequences to a multiple of {t.tp * t.cp}",
+        )
+
+
+# ---- training: world size ------------------------------------------------------------------
+
+
+@rule
+def world_divisibility(c: Context):
+    t, w = c.layout.train, c.layout.cluster.world_size
+    dense = t.tp * t.pp * t.cp
+    if w % dense:
+        valid = _choices(d for d in _divisors(w) if w % (d * t.tp * t.cp) == 0)
+        yield Violation(
+            "train.world_divisible_by_tp_pp_cp",
+            f"world size {w} (nodes x devices) must be divisible by TP*PP*CP = {t.tp}*{t.pp}*{t.cp} = {dense}; "
+            f"with TP={t.tp}, CP={t.cp} valid PP: {valid}",
+        )
+    expert = t.expert_tp * t.ep * t.pp
+    if w % expert:
+        valid = _choices(e for e in _divisors(w) if w % (t.expert_tp * e * t.pp) == 0 and c.spec.num_experts % e == 0)
+        yield Violation(
+            "train.world_divisible_by_etp_ep_pp",
+            f"world size {w} must be divisible by ETP*EP*PP = {t.expert_tp}*{t.ep}*{t.pp} = {expert}; "
+            f"with ETP={t.expert_tp}, PP={t.pp} valid EP: {valid}",
+        )
+
+
+# ---- training: experts ---------------------------------------------------------------------
+
+
+@rule
+def experts(c: Context):
+    s, t = c.spec, c.layout.train
+    if s.num_experts % t.ep:
+        yield Violation(
+            "train.ep_divides_experts",
+            f"expert_model_parallel_size={t.ep}: num_experts ({s.num_experts}) must be divisible by it; "
+            f"valid EP: {_choices(_divisors(s.num_experts))}",
+        )
+    if s.moe_ffn_hidden_size % t.expert_tp:
+        yield Violation(
+            "train.etp_divides_moe_ffn",
+            f"expert_tensor_parallel_size={t.expert_tp}: moe_intermediate_size ({s.moe_ffn_hidden_size}) must be "
+            f"divisible by it; valid ETP: {_choices(_divisors(s.moe_ffn_hidden_size)[:8])}",
+        )
+
+
+# ---- training: pipeline --------------------------------------------------------------------
+
+
+@rule
+def pipeline_layers(c: Context):
+    t, n = c.layout.train, c.spec.num_layers
+    uneven = t.first_stage_layers is not None or t.last_stage_layers is not None
+    if t.vpp is not None and (t.pp == 1 or t.vpp < 2):
+        yield Violation(
+            "train.vpp_needs_pp",
+            f"virtual_pipeline_model_parallel_size={t.vpp} needs pipeline_model_parallel_size > 1 and a value >= 2 "
+            "(the interleaved schedule); remove it or raise PP",
+        )
+        return
+    vpp = t.vpp or 1
+    if not uneven:
+        slots = n + t.account_for_embedding_in_pipeline_split + t.account_for_loss_in_pipeline_split
+        if slots % t.pp:
+            even = [p for p in _divisors(slots)]
+            yield Violation(
+                "train.pp_divides_layers",
+                f"pipeline_model_parallel_size={t.pp}: {slots} layers"
+                + (" (embedding/loss counted)" if slots != n else "")
+                + f" must be divisible by it; valid even PP: {_choices(even)}; or set "
+                "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for an uneven split",
+            )
+        elif (slots // t.pp) % vpp:
+            yield Violation(
+                "train.vpp_divides_stage_layers",
+                f"virtual_pipeline_model_parallel_size={vpp}: layers per pipeline rank ({slots // t.pp}) must be "
+                f"divisible by it; valid VPP: {_choices(d for d in _divisors(slots // t.pp) if d > 1)}",
+            )
+        return
+    if t.pp == 1:
+        yield Violation(
+            "train.uneven_pp_needs_pp",
+            "num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1",
+        )
+        return
+    if t.account_for_embedding_in_pipeline_split or t.account_for_loss_in_pipeline_split:
+        yield Violation(
+            "train.uneven_pp_not_with_accounting",
+            "num_layers_in_first/last_pipeline_stage cannot be combined with "
+            "account_for_embedding/loss_in_pipeline_split; use one or the other",
+        )
+        return
+    first, last = t.first_stage_layers or 0, t.last_stage_layers or 0
+    middle_stages = t.pp - (t.first_stage_layers is not None) - (t.last_stage_layers is not None)
+    middle = n - first - last
+    for name, value in (("first", t.first_stage_layers), ("last", t.last_stage_layers)):
+        if value is not None and value % vpp:
+            yield Violation(
+                "train.uneven_pp_vpp",
+                f"num_layers_in_{name}_pipeline_stage={value} must be divisible by "
+                f"virtual_pipeline_model_parallel_size={vpp}",
+            )
+    if middle < 0 or (middle_stages == 0 and middle != 0) or (middle_stages and (middle % middle_stages or middle == 0)):
+        options = []
+        for f in range(1, n):
+            rest = n - f - (last if t.last_stage_layers is not None else 0)
+            if middle_stages and rest > 0 and rest % middle_stages == 0 and f % vpp == 0 and (rest // middle_stages) % vpp == 0:
+                options.append(f)
+        yield Violation(
+            "train.uneven_pp_layers",
+            f"uneven pipeline: {n} layers - first {first} - last {last} = {middle} must split evenly, "
+            f"at least one layer each, over the {middle_stages} middle stage(s) of PP={t.pp}; with this last-stage "
+            f"value valid first-stage values: {_choices(options[:12])}",
+        )
+    elif middle_stages and (middle // middle_stages) % vpp:
+        yield Violation(
+            "train.uneven_pp_vpp",
+            f"layers per middle pipeline rank ({middle // middle_stages}) must be divisible by "
+            f"virtual_pipeline_model_parallel_size={vpp}",
+        )
+
+
+# ---- training: context parallel, recompute -------------------------------------------------
+
+
+@rule
+def context_parallel(c: Context):
+    t = c.layout.train
+    if t.cp == 1:
+        return
+    if not c.context_parallel_available:
+        yield Violation(
+            "train.cp_needs_te_attention",
+            f"context_parallel_size={t.cp} needs Transformer Engine's or MindSpeed's attention "
+            f"(megatron's local attention supports CP=1 only); on device={c.layout.cluster.device} use CP=1",
+        )
+    if c.seq_len % (2 * t.cp):
+        yield Violation(
+            "train.cp_seq_divisible",
+            f"context_parallel_size={t.cp} splits each sequence into 2*CP={2 * t.cp} chunks: seq_len ({c.seq_len}) "
+            f"must be divisible by {2 * t.cp}",
+        )
+
+
+@rule
+def recompute(c: Context):
+    t = c.layout.train
+    g = t.recompute_granularity
+    if g is None:
+        return
+    if g not in ("full", "selective"):
+        yield Violation("train.recompute_granularity", f"recompute_granularity={g!r}; choose full, selective or null")
+        return
+    if g == "selective":
+        if t.recompute_num_layers is not None:
+            yield Violation(
+                "train.recompute_selective",
+                "recompute_num_layers must not be set with recompute_granularity: selective",
+            )
+        return
+    if t.recompute_method not in ("uniform", "block"):
+        yield Violation(
+            "train.recompute_method",
+            f"recompute_granularity: full needs recompute_method uniform or block, got {t.recompute_method!r}",
+        )
+    per_rank = min(layers_per_stage(c.spec.num_layers, t)) if not _pipeline_broken(c) else None
+    if t.recompute_num_layers is None or (per_rank is not None and not 1 <= t.recompute_num_layers <= max(per_rank, 1)):
+        yield Violation(
+            "train.recompute_num_layers",
+            f"recompute_granularity: full needs recompute_num_layers between 1 and the layers per pipeline rank"
+            f" ({per_rank}); got {t.recompute_num_layers}",
+        )
+
+
+def _pipeline_broken(c: Context) -> bool:
+    return any(True for _ in pipeline_layers(c))
+
+
+# ---- rollout (vLLM / vLLM-Ascend) ----------------------------------------------------------
+
+
+@rule
+def rollout(c: Context):
+    s, r, w = c.spec, c.layout.rollout, c.layout.cluster.world_size
+    valid_tp = [t for t in _divisors(w) if s.num_attention_heads % t == 0 and (
+        s.num_query_groups % t == 0 if t <= s.num_query_groups else t % s.num_query_groups == 0)]
+    if s.num_attention_heads % r.tp:
+        yield Violation(
+            "rollout.tp_divides_heads",
+            f"rollout tensor_model_parallel_size={r.tp}: num_attention_heads ({s.num_attention_heads}) must be "
+            f"divisible by it; valid rollout TP: {_choices(valid_tp)}",
+        )
+    kv = s.num_query_groups
+    if (r.tp <= kv and kv % r.tp) or (r.tp > kv and r.tp % kv):
+        yield Violation(
+            "rollout.kv_heads",
+            f"rollout tensor_model_parallel_size={r.tp}: with {kv} KV heads vLLM needs TP to divide {kv} or be a "
+            f"multiple of it (KV heads replicated); valid rollout TP: {_choices(valid_tp)}",
+        )
+    if r.tp > s.num_experts:
+        yield Violation(
+            "rollout.tp_le_experts",
+            f"rollout tensor_model_parallel_size={r.tp} is greater than num_experts ({s.num_experts})",
+        )
+    if r.tp * r.dp != w:
+        yield Violation(
+            "rollout.tp_dp_equals_world",
+            f"colocated rollout: rollout TP*DP = {r.tp}*{r.dp} = {r.tp * r.dp} must equal the world size {w}; "
+            f"with rollout TP={r.tp} use data_parallel_size={w // r.tp if w % r.tp == 0 else 'n/a'}",
+        )
+    if r.ep not in (1, r.tp * r.dp):
+        yield Violation(
+            "rollout.moe_pure_ep_or_tp",
+            f"rollout expert_parallel_size={r.ep}: vLLM{'-Ascend' if c.layout.cluster.device == 'npu' else ''} runs MoE "
+            f"with pure EP (EP = TP*DP = {r.tp * r.dp}) or pure TP (EP = 1), never mixed",
+        )
+    elif s.num_experts % r.ep:
+        yield Violation(
+            "rollout.ep_divides_experts",
+            f"rollout expert_parallel_size={r.ep}: num_experts ({s.num_experts}) must be divisible by it",
+        )
+
+
+@rule
+def cluster(c: Context):
+    cl = c.layout.cluster
+    if cl.npu_kind is not None and cl.device != "npu":
+        yield Violation("cluster.npu_kind", f"trainer.npu_kind={cl.npu_kind} is set but trainer.device={cl.device}")
+
+
+def validate(spec: ModelSpec, layout: Layout, seq_len: int, context_parallel_available: bool | None = None) -> list[Violation]:
+    """Every violated rule of the layout for this model and cluster (empty when valid)."""
+    if context_parallel_available is None:
+        context_parallel_available = layout.cluster.device != "cpu"
+    ctx = Context(spec, layout, seq_len, context_parallel_available)
+    return [v for check in RULES for v in check(ctx)]
+
+
+def notes(spec: ModelSpec, layout: Layout) -> list[str]:
+    """Facts worth knowing about a valid layout (not errors)."""
+    out = []
+    r, kv = layout.rollout, spec.num_query_groups
+    if r.tp > kv:
+        out.append(
+            f"rollout TP={r.tp} > {kv} KV heads: vLLM replicates each KV head {r.tp // kv}x; the KV cache per "
+            f"device is no smaller than at TP={kv}"
+        )
+    t = layout.train
+    if t.ep == 1 and t.expert_tp != t.tp:
+        out.append("EP=1 with ETP != TP: expert gradients are reduced with the dense parameters (megatron-core 0.12.1)")
+    return out

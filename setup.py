@@ -1,0 +1,35 @@
+"""moe-rl: GSPO/GRPO post-training of Qwen3-MoE on Megatron-Core (Ascend NPU, CUDA, or CPU for tests)."""
+
+from setuptools import setup
+
+# torch is deliberately unpinned: the NPU stack needs torch 2.7.1 (with torch_npu), the CPU
+# set-up in the README installs torch 2.13.0 first, and neither must be overridden here.
+CORE = [
+    "torch",
+    "megatron-core==0.12.1",  # the version MindSpeed supports
+    "ray[default]",
+    "pyyaml",
+    "transformers",
+    "safetensors",
+    "einops",
+    "numpy",
+    "tqdm",
+]
+
+setup(
+    name="moe-rl",
+    version="0.1.0",
+    description=__doc__,
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10,<3.12",
+    packages=["loss", "megatron_bridge", "recipe"],
+    install_requires=CORE,
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        # MindSpeed is installed from its git source and vllm-ascend per its version table
+        # (README, "Install on Ascend"); torch_npu must match torch 2.7.1.
+        "npu": ["torch==2.7.1", "torch_npu==2.7.1"],
+        "gpu": ["vllm"],
+    },
+)

@@ -1,0 +1,39 @@
+"""Run a function on N CPU gloo ranks in fresh processes (megatron keeps global state, so every
+test gets new processes). Workers report through JSON files so a failing rank is visible."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+
+    from megatron_bridge import platform
+
+    platform.activate("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, tmp_path, *args) -> list:
+    """fn(rank, world_size, *args) -> JSON-able, on every rank; returns the results by rank."""
+    mp.spawn(_entry, args=(world_size, _free_port(), str(tmp_path), fn, args), nprocs=world_size, join=True)
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]

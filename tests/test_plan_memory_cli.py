@@ -1,0 +1,159 @@
+"""Memory model at scale, MC2 facts, config readers and the plan CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_bridge import mc2, memory
+from megatron_bridge.errors import ConfigError
+from megatron_bridge.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_from_dict, load_layout
+from megatron_bridge.model_spec import load_model_spec
+from megatron_bridge.plan import main as plan_main
+
+Q30 = load_model_spec("qwen3_30b_a3b")
+Q235 = load_model_spec("qwen3_235b_a22b")
+
+
+def test_param_counts_match_the_model_cards():
+    assert Q30.total_params == 30_532_122_624 and Q30.active_params == 3_353_032_704
+    assert round(Q235.total_params / 1e9, 3) == 235.094 and round(Q235.active_params / 1e9, 3) == 22.191
+
+
+# (model, W, TP, PP, EP, ETP, GiB of weights+grads+optimizer on the worst stage): the worked
+# examples of facts §5, derived there as 2 + 4 + 12/d bytes with d = DP*CP (dense), EDP (experts).
+FACTS = [
+    (Q30, 8, 1, 1, 8, 1, 71.5), (Q30, 16, 2, 1, 8, 1, 45.9), (Q30, 16, 1, 2, 8, 1, 35.8),
+    (Q30, 16, 4, 1, 16, 1, 33.6), (Q30, 32, 2, 2, 8, 1, 22.9), (Q235, 128, 4, 8, 16, 1, 33.5),
+    (Q235, 128, 4, 4, 32, 1, 34.5), (Q235, 256, 4, 8, 32, 1, 17.8),
+]
+
+
+@pytest.mark.parametrize("spec,w,tp,pp,ep,etp,gib", FACTS)
+def test_static_memory_matches_the_worked_examples(spec, w, tp, pp, ep, etp, gib):
+    uneven = {} if spec.num_layers % pp == 0 else {"first_stage_layers": 94 - (pp - 1) * 12, "last_stage_layers": 12}
+    if pp == 4 and spec is Q235:
+        uneven = {"first_stage_layers": 22, "last_stage_layers": 24}
+    train = TrainParallel(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1, **uneven)
+    layout = Layout("x", train=train, cluster=Cluster(nnodes=1, devices_per_node=w))
+    worst = max(memory.static_memory(spec, layout, r).total for r in range(pp))
+    # The examples ignore padding and Adam's step counters and round to 0.1 GiB (0.5% margin).
+    assert worst / memory.GIB == pytest.approx(gib, rel=0.005)
+
+
+def test_expert_and_dense_states_shard_over_different_groups():
+    # W=16, TP2 PP1 EP8 ETP1: dense states shard over DP*CP = 8, experts over EDP = 2.
+    layout = Layout("x", train=TrainParallel(tp=2, ep=8, etp=1, sequence_parallel=True),
+                    cluster=Cluster(nnodes=2, devices_per_node=8))
+    assert memory.data_parallel_sizes(layout) == (8, 2)
+    h, hd = Q30.hidden_size, Q30.head_dim
+    attention_split = Q30.attention_params_per_layer - 2 * hd  # q/k/v/o split over TP
+    replicated = 2 * h + 2 * hd + Q30.num_experts * h  # norms and the router are whole on every TP rank
+    dense = Q30.num_layers * (attention_split / 2 + replicated) + 2 * Q30.embedding_params / 2 + h
+    experts = Q30.num_layers * Q30.num_experts * Q30.expert_params / 8
+    expected = 12 * dense / 8 + 12 * experts / 2
+    assert memory.static_memory(Q30, layout, 0).optimizer == pytest.approx(expected, rel=1e-4)
+
+
+def test_buffer_layout_follows_megatron_padding_rules():
+    buf = memory.buffer_layout([10, 100, 7], dp=2, distributed_optimizer=True)
+    # reverse order, each start aligned to 64, end padded to lcm(2, 128)
+    assert buf.ranges == [(0, 7), (64, 164), (192, 202)] and buf.numel == 256
+    assert memory.shard_numel(buf, 2, 0) == 7 + 64 and memory.shard_numel(buf, 2, 1) == 36 + 10
+    plain = memory.buffer_layout([10, 100, 7], dp=2, distributed_optimizer=False)
+    assert plain.numel == 117
+
+
+def test_full_recompute_cuts_activation_estimate():
+    t = TrainParallel(tp=2, pp=2, ep=8, etp=1, sequence_parallel=True)
+    none = memory.activation_memory(Q30, t, 24, 4096)
+    full = memory.activation_memory(Q30, TrainParallel(**{**t.__dict__, "recompute_granularity": "full",
+                                                          "recompute_method": "uniform", "recompute_num_layers": 1}), 24, 4096)
+    assert full < none / 10
+    # logits: 4096 tokens x 151936/2 vocab x 10 bytes
+    assert memory.logits_memory(Q30, t, 4096) == 4096 * 75968 * 10
+
+
+def test_mc2_for_the_seed_layout_on_a2():
+    plan = mc2.plan_mc2(Q30, load_layout("qwen3_30b_a3b_4x8_a2"), max_num_seqs=1024)
+    assert plan.method == "mc2" and plan.max_tokens_per_rank == 256
+    # 2 * (256 tok * EP32 * 4 local experts * Align512(Align32(4096)+64)=4608 + 256 * top8 * Align512(4096))
+    expected = 2 * (256 * 32 * 4 * 4608 + 256 * 8 * 4096)
+    assert mc2.buffer_bytes(Q30, 32, 256) == expected == 318_767_104
+    assert plan.needed_buffsize_mb == 304 and plan.hccl_buffsize_mb == 320
+
+
+def test_mc2_not_picked_on_a2_with_small_ep_or_without_ep():
+    layout = Layout("x", rollout=RolloutParallel(tp=1, dp=8, ep=8), cluster=Cluster(1, 8, "npu", "a2", 64))
+    assert mc2.plan_mc2(Q30, layout, 256).method == "all-gather"  # EP 8 < 16, 16 experts per NPU
+    pure_tp = Layout("x", rollout=RolloutParallel(tp=4, dp=2, ep=1), cluster=Cluster(1, 8, "npu", "a3", 64))
+    assert not mc2.plan_mc2(Q30, pure_tp, 256).applies
+    a3 = Layout("x", rollout=RolloutParallel(tp=1, dp=8, ep=8), cluster=Cluster(1, 8, "npu", "a3", 64))
+    assert mc2.plan_mc2(Q30, a3, 256).method.startswith("mc2")
+
+
+def test_layout_yaml_unknown_key_names_the_nearest_one():
+    data = yaml.safe_load(open("configs/parallel/qwen3_30b_a3b_4x8_a2.yaml"))
+    data["actor_rollout_ref"]["actor"]["megatron"]["tensor_model_paralel_size"] = 2
+    with pytest.raises(ConfigError, match="did you mean 'tensor_model_parallel_size'"):
+        layout_from_dict(data, "typo")
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        layout_from_dict({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 0}}}, "zero")
+
+
+def test_model_spec_reads_a_transformers5_checkpoint_config(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(**{k: v for k, v in yaml.safe_load(open("configs/model/tiny_qwen3_moe.yaml")).items()
+                            if k not in ("architectures", "torch_dtype", "rope_theta", "rope_scaling")},
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6})
+    cfg.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "num_local_experts" in saved or "num_experts" in saved
+    spec = load_model_spec(str(tmp_path))
+    assert spec.rope_theta == 5e6 and spec.num_experts == 8 and spec.num_query_groups == 4 and spec.head_dim == 16
+
+
+def test_model_spec_errors_name_the_input(tmp_path):
+    with pytest.raises(ConfigError, match="shipped models: .*qwen3_30b_a3b"):
+        load_model_spec("no_such_model")
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="model_type='llama' is not supported"):
+        load_model_spec(str(bad))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_bridge.plan", *args], capture_output=True, text=True)
+
+
+def test_cli_check_exit_codes():
+    ok = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "configs/parallel/qwen3_30b_a3b_4x8_a2.yaml")
+    assert ok.returncode == 0 and "VALID" in ok.stdout and "HCCL_BUFFSIZE: 320 MB" in ok.stdout
+    bad = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "configs/parallel/qwen3_30b_a3b_4x8_a2.yaml",
+               "--nnodes", "2", "--devices-per-node", "8")
+    assert bad.returncode == 1 and "rollout.tp_dp_equals_world" in bad.stdout
+    assert _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "nope.yaml").returncode == 2
+    assert _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "tiny_cpu", "--nnodes", "0").returncode == 2
+    assert _cli("check", "--help").returncode == 0 and _cli("search", "--help").returncode == 0
+
+
+def test_cli_check_rejects_a_layout_that_does_not_fit_in_memory():
+    out = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_4x8_a2", "--device-memory-gb", "16")
+    assert out.returncode == 1 and "memory.train_fits" in out.stdout
+
+
+def test_search_prints_only_valid_layouts_that_check_accepts(tmp_path):
+    out = tmp_path / "best.yaml"
+    assert plan_main(["search", "--model", "qwen3_30b_a3b", "--nnodes", "2", "--devices-per-node", "8",
+                      "--device-memory-gb", "64", "--npu-kind", "a2", "--top", "50", "--write", str(out)]) == 0
+    result = _cli("search", "--model", "qwen3_30b_a3b", "--nnodes", "2", "--devices-per-node", "8",
+                  "--device-memory-gb", "64", "--npu-kind", "a2", "--top", "50", "--json")
+    rows = json.loads(result.stdout)
+    assert rows and all(r["valid"] and r["fits"] for r in rows)
+    assert all(r["memory_bytes"]["training_peak"] <= 64 * memory.GIB for r in rows)
+    best = load_layout(str(out))
+    assert best.cluster.world_size == 16
+    assert _cli("check", "--model", "qwen3_30b_a3b", "--parallel", str(out)).returncode == 0

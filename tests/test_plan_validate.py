@@ -1,0 +1,186 @@
+"""Validator rules (megatron-core 0.12.1 and vLLM), stage splits and shipped layouts."""
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_bridge.layout import Cluster, Layout, RolloutParallel, TrainParallel, load_layout, shipped_layouts
+from megatron_bridge.model_spec import load_model_spec
+from megatron_bridge.stages import layers_per_chunk, layers_per_stage
+from megatron_bridge.validate import validate
+
+Q30 = load_model_spec("qwen3_30b_a3b")
+Q235 = load_model_spec("qwen3_235b_a22b")
+TINY = load_model_spec("tiny_qwen3_moe")
+
+
+def make(train=None, rollout=None, nnodes=1, devices=8, device="npu", **cluster):
+    w = nnodes * devices
+    return Layout(
+        "test",
+        train=train or TrainParallel(),
+        rollout=rollout or RolloutParallel(tp=1, dp=w),
+        cluster=Cluster(nnodes=nnodes, devices_per_node=devices, device=device, **cluster),
+    )
+
+
+def rules(spec, layout, seq_len=4096, **kw):
+    """rule -> its messages (one rule may be broken in several places), joined by newlines."""
+    found = {}
+    for v in validate(spec, layout, seq_len, **kw):
+        found[v.rule] = f"{found[v.rule]}\n{v.message}" if v.rule in found else v.message
+    return found
+
+
+def test_tp8_rejected_for_qwen3_30b_with_the_message_users_need():
+    layout = make(TrainParallel(tp=8, ep=4, etp=1, sequence_parallel=True), nnodes=4)
+    found = rules(Q30, layout)
+    assert found["train.tp_divides_num_query_groups"] == (
+        "tensor_model_parallel_size=8: num_query_groups (4) must be a multiple of it; "
+        "valid TP for this model: 1, 2, 4"
+    )
+    assert "train.tp_divides_num_attention_heads" not in found  # 32 heads % 8 == 0
+
+
+def test_seed_layout_valid_on_4x8_and_rejected_on_2x8():
+    seeds = load_layout("qwen3_30b_a3b_4x8_a2")
+    assert (seeds.train.tp, seeds.train.pp, seeds.train.ep, seeds.train.expert_tp) == (4, 4, 8, 1)
+    assert (seeds.rollout.tp, seeds.rollout.dp) == (4, 8)
+    assert validate(Q30, seeds, 4096) == []
+    found = rules(Q30, seeds.with_cluster(nnodes=2, devices_per_node=8))
+    assert "rollout TP*DP = 4*8 = 32 must equal the world size 16" in found["rollout.tp_dp_equals_world"]
+    assert "ETP*EP*PP = 1*8*4 = 32" in found["train.world_divisible_by_etp_ep_pp"]
+
+
+def test_ep3_rejected_for_128_experts():
+    layout = make(TrainParallel(ep=3, etp=1), nnodes=3)
+    msg = rules(Q30, layout)["train.ep_divides_experts"]
+    assert "num_experts (128) must be divisible by it" in msg
+    assert "valid EP: 1, 2, 4, 8, 16, 32, 64, 128" in msg
+
+
+@pytest.mark.parametrize("pp,first,last", [(4, 22, 24), (8, 10, 12), (6, 14, 16)])
+def test_uneven_pp_for_235b_accepted_where_megatron_accepts_it(pp, first, last):
+    train = TrainParallel(tp=4, pp=pp, ep=16, etp=1, sequence_parallel=True,
+                          first_stage_layers=first, last_stage_layers=last)
+    layout = make(train, rollout=RolloutParallel(tp=4, dp=32 * pp // 4, ep=1), nnodes=pp * 2, devices=16)
+    assert validate(Q235, layout, 4096) == []
+    stages = layers_per_stage(94, train)
+    assert stages[0] == first and stages[-1] == last and sum(stages) == 94
+
+
+def test_235b_even_pp4_rejected_and_bad_uneven_split_rejected():
+    even = make(TrainParallel(pp=4, ep=8, etp=1), nnodes=4)
+    msg = rules(Q235, even)["train.pp_divides_layers"]
+    assert "94 layers must be divisible by it; valid even PP: 1, 2, 47, 94" in msg
+    bad = make(TrainParallel(pp=8, ep=8, etp=1, first_stage_layers=10, last_stage_layers=10), nnodes=8)
+    msg = rules(Q235, bad)["train.uneven_pp_layers"]
+    assert "94 layers - first 10 - last 10 = 74" in msg and "6 middle stage(s)" in msg
+    # The suggested first-stage values really are valid.
+    suggested = [int(x) for x in msg.rsplit(": ", 1)[1].split(", ")]
+    assert 10 not in suggested and suggested
+    for f in suggested:
+        ok = replace(bad, train=replace(bad.train, first_stage_layers=f))
+        assert "train.uneven_pp_layers" not in rules(Q235, ok)
+
+
+def test_account_for_embedding_and_loss_split():
+    train = TrainParallel(pp=4, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    assert "train.pp_divides_layers" not in rules(Q235, make(train, nnodes=4))  # 96 % 4 == 0
+    assert layers_per_stage(94, train) == [23, 24, 24, 23]
+    uneven_too = replace(train, first_stage_layers=22)
+    assert "train.uneven_pp_not_with_accounting" in rules(Q235, make(uneven_too, nnodes=4))
+
+
+def test_vpp_rules_and_chunk_split():
+    assert layers_per_chunk(48, TrainParallel(pp=4, vpp=3)) == [[4, 4, 4]] * 4
+    assert "train.vpp_divides_stage_layers" in rules(Q30, make(TrainParallel(pp=4, vpp=5), nnodes=4))
+    assert "train.vpp_needs_pp" in rules(Q30, make(TrainParallel(pp=1, vpp=2)))
+    uneven = TrainParallel(pp=4, vpp=2, first_stage_layers=11, last_stage_layers=13, ep=8, etp=1)
+    found = rules(Q30, make(uneven, nnodes=4))
+    assert "num_layers_in_first_pipeline_stage=11 must be divisible" in found["train.uneven_pp_vpp"]
+    assert layers_per_chunk(48, replace(uneven, first_stage_layers=10, last_stage_layers=14)) == [[5, 5], [6, 6], [6, 6], [7, 7]]
+
+
+def test_uneven_pp_needs_pp():
+    found = rules(Q30, make(TrainParallel(first_stage_layers=20)))
+    assert "train.uneven_pp_needs_pp" in found
+
+
+def test_world_divisibility_rules():
+    found = rules(Q30, make(TrainParallel(tp=4, pp=3, ep=8, etp=1, sequence_parallel=True), nnodes=2))
+    assert "world size 16 (nodes x devices) must be divisible by TP*PP*CP = 4*3*1 = 12" in found["train.world_divisible_by_tp_pp_cp"]
+    assert "ETP*EP*PP = 1*8*3 = 24" in found["train.world_divisible_by_etp_ep_pp"]
+
+
+def test_expert_tp_must_split_moe_ffn():
+    found = rules(TINY, make(TrainParallel(tp=1, etp=3), devices=3, device="cpu"))
+    assert "moe_intermediate_size (32) must be divisible by it" in found["train.etp_divides_moe_ffn"]
+
+
+def test_sequence_parallel_rules():
+    assert "train.sp_needs_tp" in rules(Q30, make(TrainParallel(sequence_parallel=True)))
+    assert "train.moe_tp_needs_sp" in rules(Q30, make(TrainParallel(tp=2)))
+    msg = rules(Q30, make(TrainParallel(tp=4, sequence_parallel=True)), seq_len=4098)["train.sp_seq_divisible"]
+    assert "seq_len/CP (4098/1) must be divisible by tensor_model_parallel_size=4" in msg
+
+
+def test_heads_and_vocab_must_divide_tp():
+    odd = replace(TINY, num_attention_heads=6, num_query_groups=6, head_dim=16, vocab_size=510)
+    found = rules(odd, make(TrainParallel(tp=4, sequence_parallel=True), devices=4, device="cpu",),)
+    assert "num_attention_heads (6) must be a multiple of it" in found["train.tp_divides_num_attention_heads"]
+    assert "vocab_size (510) must be divisible by it" in found["train.tp_divides_vocab"]
+
+
+def test_context_parallel_rules():
+    cp = TrainParallel(cp=2)
+    assert "train.cp_needs_te_attention" in rules(TINY, make(cp, devices=2, device="cpu"))
+    assert "train.cp_needs_te_attention" not in rules(Q30, make(cp, devices=2))
+    msg = rules(Q30, make(cp, devices=2), seq_len=4098)["train.cp_seq_divisible"]
+    assert "seq_len (4098) must be divisible by 4" in msg
+
+
+def test_recompute_rules():
+    base = TrainParallel(pp=4, ep=8, etp=1)
+    assert "train.recompute_method" in rules(Q30, make(replace(base, recompute_granularity="full", recompute_num_layers=1), nnodes=4))
+    too_many = replace(base, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=13)
+    assert "(12); got 13" in rules(Q30, make(too_many, nnodes=4))["train.recompute_num_layers"]
+    sel = replace(base, recompute_granularity="selective", recompute_num_layers=2)
+    assert "train.recompute_selective" in rules(Q30, make(sel, nnodes=4))
+    ok = replace(base, recompute_granularity="full", recompute_method="block", recompute_num_layers=12)
+    assert validate(Q30, make(ok, nnodes=4), 4096) == []
+
+
+def test_rollout_rules():
+    train = TrainParallel(ep=8, etp=1)
+    # vLLM replicates KV heads above 4: TP8 is fine for rollout (unlike megatron), TP3/6 are not.
+    assert validate(Q30, make(train, rollout=RolloutParallel(tp=8, dp=1, ep=8)), 4096) == []
+    found = rules(Q30, make(TrainParallel(ep=2, etp=1), rollout=RolloutParallel(tp=6, dp=1), devices=6))
+    assert "num_attention_heads (32) must be divisible by it" in found["rollout.tp_divides_heads"]
+    assert "with 4 KV heads vLLM needs TP to divide 4 or be a multiple of it" in found["rollout.kv_heads"]
+    mixed = rules(Q30, make(train, rollout=RolloutParallel(tp=2, dp=4, ep=4)))
+    assert "pure EP (EP = TP*DP = 8) or pure TP (EP = 1), never mixed" in mixed["rollout.moe_pure_ep_or_tp"]
+    odd_experts = replace(Q30, num_experts=96)
+    found = rules(odd_experts, make(TrainParallel(ep=1), rollout=RolloutParallel(tp=1, dp=64, ep=64), nnodes=8))
+    assert "num_experts (96) must be divisible by it" in found["rollout.ep_divides_experts"]
+    few = replace(TINY, num_attention_heads=16, num_query_groups=16, head_dim=4)
+    assert "rollout.tp_le_experts" in rules(few, make(TrainParallel(), rollout=RolloutParallel(tp=16, dp=1), devices=16, device="cpu"))
+
+
+def test_every_violation_is_reported_at_once():
+    layout = make(TrainParallel(tp=8, pp=5, ep=3, etp=1), rollout=RolloutParallel(tp=3, dp=3), nnodes=2)
+    found = rules(Q30, layout)
+    for rule in ("train.tp_divides_num_query_groups", "train.moe_tp_needs_sp", "train.world_divisible_by_tp_pp_cp",
+                 "train.world_divisible_by_etp_ep_pp", "train.ep_divides_experts", "train.pp_divides_layers",
+                 "rollout.tp_divides_heads", "rollout.tp_dp_equals_world"):
+        assert rule in found, rule
+
+
+MODEL_OF_LAYOUT = {"qwen3_30b_a3b": Q30, "qwen3_235b_a22b": Q235, "tiny_cpu": TINY}
+
+
+@pytest.mark.parametrize("path", shipped_layouts(), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_every_shipped_layout_is_valid_for_its_model(path):
+    layout = load_layout(path)
+    spec = next(m for prefix, m in MODEL_OF_LAYOUT.items() if layout.name.startswith(prefix))
+    assert validate(spec, layout, 4096) == []
