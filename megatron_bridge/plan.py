@@ -20,7 +20,7 @@ from megatron_bridge import mc2, memory
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_to_dict, load_layout
 from megatron_bridge.model_spec import ModelSpec, load_model_spec
-from megatron_bridge.validate import Violation, notes, validate
+from megatron_bridge.validate import Violation, divisors, notes, validate
 
 DEFAULT_SEQ_LEN = 4096
 
@@ -146,10 +146,6 @@ def verdict_json(v: Verdict) -> dict:
 # ---- search --------------------------------------------------------------------------------
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def pipeline_options(num_layers: int, pp: int) -> list[dict]:
     """Even split when the layers divide; otherwise the most balanced uneven split (one stage may
     hold a little less, the first or last, where the embedding or the loss also lives)."""
@@ -171,7 +167,7 @@ def rollout_choice(spec: ModelSpec, cluster: Cluster, utilization: float) -> Rol
     engine's share (the rest is KV cache); vLLM-Ascend's own advice for these models."""
     w = cluster.world_size
     kv = spec.num_query_groups
-    options = [t for t in _divisors(w) if spec.num_attention_heads % t == 0
+    options = [t for t in divisors(w) if spec.num_attention_heads % t == 0
                and (kv % t == 0 if t <= kv else t % kv == 0) and t <= cluster.devices_per_node]
     for tp in options:
         r = RolloutParallel(tp=tp, dp=w // tp, ep=w, gpu_memory_utilization=utilization)
@@ -187,11 +183,11 @@ def rollout_choice(spec: ModelSpec, cluster: Cluster, utilization: float) -> Rol
 def candidates(spec: ModelSpec, cluster: Cluster, recompute: bool, utilization: float, offload: bool):
     w = cluster.world_size
     rollout = rollout_choice(spec, cluster, utilization)
-    for tp in _divisors(w):
-        for pp in _divisors(w // tp):
+    for tp in divisors(w):
+        for pp in divisors(w // tp):
             for split in pipeline_options(spec.num_layers, pp):
                 for etp in sorted({1, tp}):
-                    for ep in _divisors(spec.num_experts):
+                    for ep in divisors(spec.num_experts):
                         if w % (etp * ep * pp):
                             continue
                         train = TrainParallel(

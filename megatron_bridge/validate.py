@@ -38,7 +38,7 @@ def _choices(values: Iterable[int]) -> str:
     return ", ".join(str(v) for v in values) if values else "none"
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -61,7 +61,7 @@ def _train_tp_ok(spec: ModelSpec, tp: int) -> bool:
 @rule
 def tp_divides_heads_and_groups(c: Context):
     s, tp = c.spec, c.layout.train.tp
-    valid = _choices(t for t in _divisors(c.layout.cluster.world_size) if _train_tp_ok(s, t))
+    valid = _choices(t for t in divisors(c.layout.cluster.world_size) if _train_tp_ok(s, t))
     for what, n in (("num_attention_heads", s.num_attention_heads), ("num_query_groups", s.num_query_groups)):
         if n % tp:
             yield Violation(
@@ -107,7 +107,7 @@ def world_divisibility(c: Context):
     t, w = c.layout.train, c.layout.cluster.world_size
     dense = t.tp * t.pp * t.cp
     if w % dense:
-        valid = _choices(d for d in _divisors(w) if w % (d * t.tp * t.cp) == 0)
+        valid = _choices(d for d in divisors(w) if w % (d * t.tp * t.cp) == 0)
         yield Violation(
             "train.world_divisible_by_tp_pp_cp",
             f"world size {w} (nodes x devices) must be divisible by TP*PP*CP = {t.tp}*{t.pp}*{t.cp} = {dense}; "
@@ -115,7 +115,7 @@ def world_divisibility(c: Context):
         )
     expert = t.expert_tp * t.ep * t.pp
     if w % expert:
-        valid = _choices(e for e in _divisors(w) if w % (t.expert_tp * e * t.pp) == 0 and c.spec.num_experts % e == 0)
+        valid = _choices(e for e in divisors(w) if w % (t.expert_tp * e * t.pp) == 0 and c.spec.num_experts % e == 0)
         yield Violation(
             "train.world_divisible_by_etp_ep_pp",
             f"world size {w} must be divisible by ETP*EP*PP = {t.expert_tp}*{t.ep}*{t.pp} = {expert}; "
@@ -133,13 +133,13 @@ def experts(c: Context):
         yield Violation(
             "train.ep_divides_experts",
             f"expert_model_parallel_size={t.ep}: num_experts ({s.num_experts}) must be divisible by it; "
-            f"valid EP: {_choices(_divisors(s.num_experts))}",
+            f"valid EP: {_choices(divisors(s.num_experts))}",
         )
     if s.moe_ffn_hidden_size % t.expert_tp:
         yield Violation(
             "train.etp_divides_moe_ffn",
             f"expert_tensor_parallel_size={t.expert_tp}: moe_intermediate_size ({s.moe_ffn_hidden_size}) must be "
-            f"divisible by it; valid ETP: {_choices(_divisors(s.moe_ffn_hidden_size)[:8])}",
+            f"divisible by it; valid ETP: {_choices(divisors(s.moe_ffn_hidden_size)[:8])}",
         )
 
 
@@ -161,7 +161,7 @@ def pipeline_layers(c: Context):
     if not uneven:
         slots = n + t.account_for_embedding_in_pipeline_split + t.account_for_loss_in_pipeline_split
         if slots % t.pp:
-            even = [p for p in _divisors(slots)]
+            even = [p for p in divisors(slots)]
             yield Violation(
                 "train.pp_divides_layers",
                 f"pipeline_model_parallel_size={t.pp}: {slots} layers"
@@ -173,7 +173,7 @@ def pipeline_layers(c: Context):
             yield Violation(
                 "train.vpp_divides_stage_layers",
                 f"virtual_pipeline_model_parallel_size={vpp}: layers per pipeline rank ({slots // t.pp}) must be "
-                f"divisible by it; valid VPP: {_choices(d for d in _divisors(slots // t.pp) if d > 1)}",
+                f"divisible by it; valid VPP: {_choices(d for d in divisors(slots // t.pp) if d > 1)}",
             )
         return
     if t.pp == 1:
@@ -281,7 +281,7 @@ def _pipeline_broken(c: Context) -> bool:
 @rule
 def rollout(c: Context):
     s, r, w = c.spec, c.layout.rollout, c.layout.cluster.world_size
-    valid_tp = [t for t in _divisors(w) if s.num_attention_heads % t == 0 and (
+    valid_tp = [t for t in divisors(w) if s.num_attention_heads % t == 0 and (
         s.num_query_groups % t == 0 if t <= s.num_query_groups else t % s.num_query_groups == 0)]
     if s.num_attention_heads % r.tp:
         yield Violation(
