@@ -20,7 +20,7 @@ from megatron_bridge import mc2, memory
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_to_dict, load_layout
 from megatron_bridge.model_spec import ModelSpec, load_model_spec
-from megatron_bridge.validate import Violation, divisors, notes, validate
+from megatron_bridge.validate import Violation, divisors, notes, rollout_tp_ok, validate
 
 DEFAULT_SEQ_LEN = 4096
 
@@ -166,9 +166,7 @@ def rollout_choice(spec: ModelSpec, cluster: Cluster, utilization: float) -> Rol
     """Pure expert parallel rollout with the smallest valid TP whose weights take at most half the
     engine's share (the rest is KV cache); vLLM-Ascend's own advice for these models."""
     w = cluster.world_size
-    kv = spec.num_query_groups
-    options = [t for t in divisors(w) if spec.num_attention_heads % t == 0
-               and (kv % t == 0 if t <= kv else t % kv == 0) and t <= cluster.devices_per_node]
+    options = [t for t in divisors(w) if rollout_tp_ok(spec, t) and t <= cluster.devices_per_node]
     for tp in options:
         r = RolloutParallel(tp=tp, dp=w // tp, ep=w, gpu_memory_utilization=utilization)
         if cluster.device_memory_gb is None:

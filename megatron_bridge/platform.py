@@ -28,13 +28,6 @@ class Platform:
     # Context parallel needs TE's or MindSpeed's attention; megatron's local attention asserts CP == 1.
     supports_context_parallel: bool
 
-    @property
-    def device_type(self) -> str:
-        return self.name
-
-    def device(self, local_rank: int = 0) -> torch.device:
-        return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, local_rank)
-
 
 PLATFORMS = {
     "npu": Platform("npu", "hccl", "vllm_ascend", supports_context_parallel=True),

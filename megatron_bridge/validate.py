@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 
 from megatron_bridge.layout import Layout
 from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.platform import PLATFORMS
 from megatron_bridge.stages import layers_per_stage
 
 
@@ -278,11 +279,20 @@ def _pipeline_broken(c: Context) -> bool:
 # ---- rollout (vLLM / vLLM-Ascend) ----------------------------------------------------------
 
 
+def rollout_kv_heads_ok(spec: ModelSpec, tp: int) -> bool:
+    """vLLM shards KV heads when TP divides them and replicates them when TP is a multiple."""
+    kv = spec.num_query_groups
+    return kv % tp == 0 if tp <= kv else tp % kv == 0
+
+
+def rollout_tp_ok(spec: ModelSpec, tp: int) -> bool:
+    return spec.num_attention_heads % tp == 0 and rollout_kv_heads_ok(spec, tp)
+
+
 @rule
 def rollout(c: Context):
     s, r, w = c.spec, c.layout.rollout, c.layout.cluster.world_size
-    valid_tp = [t for t in divisors(w) if s.num_attention_heads % t == 0 and (
-        s.num_query_groups % t == 0 if t <= s.num_query_groups else t % s.num_query_groups == 0)]
+    valid_tp = [t for t in divisors(w) if rollout_tp_ok(s, t)]
     if s.num_attention_heads % r.tp:
         yield Violation(
             "rollout.tp_divides_heads",
@@ -290,7 +300,7 @@ def rollout(c: Context):
             f"divisible by it; valid rollout TP: {_choices(valid_tp)}",
         )
     kv = s.num_query_groups
-    if (r.tp <= kv and kv % r.tp) or (r.tp > kv and r.tp % kv):
+    if not rollout_kv_heads_ok(s, r.tp):
         yield Violation(
             "rollout.kv_heads",
             f"rollout tensor_model_parallel_size={r.tp}: with {kv} KV heads vLLM needs TP to divide {kv} or be a "
@@ -330,7 +340,7 @@ def cluster(c: Context):
 def validate(spec: ModelSpec, layout: Layout, seq_len: int, context_parallel_available: bool | None = None) -> list[Violation]:
     """Every violated rule of the layout for this model and cluster (empty when valid)."""
     if context_parallel_available is None:
-        context_parallel_available = layout.cluster.device != "cpu"
+        context_parallel_available = PLATFORMS[layout.cluster.device].supports_context_parallel
     ctx = Context(spec, layout, seq_len, context_parallel_available)
     return [v for check in RULES for v in check(ctx)]
 
