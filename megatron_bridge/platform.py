@@ -99,3 +99,23 @@ def active() -> Platform:
     if _active is None:
         raise RuntimeError("no platform is active; call megatron_bridge.platform.activate() first")
     return _active
+
+
+def init_distributed(platform: Platform) -> torch.device:
+    """Join the torch.distributed job started by torchrun (or Ray) on ``platform``'s backend and
+    return this rank's device. Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
+    import torch.distributed as dist
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} not set: start this under torchrun (e.g. torchrun --nproc-per-node N ...)")
+    if platform.name == "cpu":
+        device = torch.device("cpu")
+    else:
+        # transfer_to_npu routes torch.cuda.* to the NPU, so one call serves both accelerators.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device(platform.name, local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(platform.backend)
+    return device

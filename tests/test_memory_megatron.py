@@ -20,16 +20,12 @@ def _measure(rank, world_size, train_kwargs):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron_bridge.actor import initialize_parallel
     from megatron_bridge.model import BuildOptions, build_model_chunks
 
     train = TrainParallel(**train_kwargs)
-    ps.initialize_model_parallel(
-        train.tp, train.pp, virtual_pipeline_model_parallel_size=train.vpp,
-        expert_model_parallel_size=train.ep, expert_tensor_parallel_size=train.etp,
-    )
-    model_parallel_cuda_manual_seed(1234)
+    initialize_parallel(train)
     spec = load_model_spec("tiny_qwen3_moe")
     config, chunks = build_model_chunks(spec, train, BuildOptions(params_dtype=torch.bfloat16), "cpu")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)

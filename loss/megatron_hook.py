@@ -1,0 +1,221 @@
+"""The Megatron loss hook: vocab-parallel logits in, per-token log-probs and the policy loss out.
+
+Used as the ``loss_func`` that a forward step hands to megatron's ``forward_backward_func``::
+
+    output = model(input_ids, position_ids, attention_mask)           # [b, s, V/tp]
+    return output, functools.partial(policy_loss_func, cfg, norm, micro_batch)
+
+A micro-batch is a dict of tensors:
+
+- ``input_ids`` [b, s] long: prompt tokens followed by response tokens, right-padded;
+- ``prompt_lengths`` [b] long;
+- ``response_mask`` [b, R]: R is the response width, the same for every micro-batch;
+- ``old_log_probs``, ``advantages`` [b, R]; ``ref_log_probs`` [b, R] only with the KL loss.
+
+Response token j of row i is ``input_ids[i, prompt_lengths[i] + j]`` and is predicted by the
+logits at position ``prompt_lengths[i] + j - 1``. Entries past a row's response (mask 0) may hold
+anything.
+
+Importing this module does not import megatron (see ``loss.vocab_parallel``).
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from .aggregation import LOSS_AGG_MODES, agg_loss
+from .kl import KL_PENALTY_TYPES, kl_penalty
+from .policy import compute_policy_loss
+from .registry import policy_loss_modes
+from .vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+
+Metrics = dict[str, torch.Tensor]
+
+
+def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is unknown; valid choices: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class ActorLossConfig:
+    """The actor's loss settings; names and defaults follow verl's actor config (GSPO defaults)."""
+
+    loss_mode: str = "gspo"
+    clip_ratio_low: float = 3e-4
+    clip_ratio_high: float = 4e-4
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "seq-mean-token-mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("loss_mode", self.loss_mode, policy_loss_modes())
+        _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice("kl_loss_type", self.kl_loss_type, KL_PENALTY_TYPES)
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class MiniBatchNorm:
+    """How one optimizer step's loss is normalised.
+
+    ``batch_num_tokens`` counts valid response tokens and ``global_batch_size`` rows with at least
+    one valid response token, both over the whole global mini-batch (all DP ranks); they and
+    ``dp_size`` are the same on every rank. ``num_microbatches`` is the number megatron's schedule
+    divides this rank's losses by (its ``num_microbatches`` argument).
+    """
+
+    dp_size: int
+    num_microbatches: int
+    batch_num_tokens: int
+    global_batch_size: int
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1 or self.num_microbatches < 1:
+            raise ValueError(f"dp_size and num_microbatches must be >= 1, got {self.dp_size}, {self.num_microbatches}")
+        if self.batch_num_tokens < 0 or self.global_batch_size < 0:
+            raise ValueError(
+                f"batch_num_tokens and global_batch_size must be >= 0, "
+                f"got {self.batch_num_tokens}, {self.global_batch_size}"
+            )
+
+
+def _response_window(
+    logits: torch.Tensor, input_ids: torch.Tensor, prompt_lengths: torch.Tensor, response_width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits [b, R, V/tp] that predict each response token, and those tokens [b, R]."""
+    if logits.shape[:2] != input_ids.shape or prompt_lengths.shape != input_ids.shape[:1]:
+        raise ValueError(
+            f"expected logits [b, s, V/tp], input_ids [b, s], prompt_lengths [b]; got "
+            f"{tuple(logits.shape)}, {tuple(input_ids.shape)}, {tuple(prompt_lengths.shape)}"
+        )
+    last = input_ids.shape[1] - 1
+    token_pos = prompt_lengths.unsqueeze(-1) + torch.arange(response_width, device=input_ids.device)
+    # Positions past the sequence only occur where the response mask is 0; clamping keeps them
+    # in range, and whatever they read is masked out of the loss.
+    logit_pos = (token_pos - 1).clamp(0, last)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(-1)
+    # Indexing only the response window keeps the float32 copies below at [b, R, V/tp], not [b, s, V/tp].
+    return logits[rows, logit_pos], input_ids.gather(1, token_pos.clamp(0, last))
+
+
+def response_log_probs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    response_width: int,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 log-probs [b, R] of the response tokens and, if asked, the entropies [b, R] there.
+
+    ``logits`` is the vocab-parallel shard [b, s, V/tp] (megatron GPTModel output with
+    ``parallel_output=True``). Entries past a row's response are finite but meaningless.
+    """
+    window, targets = _response_window(logits, input_ids, prompt_lengths, response_width)
+    log_probs = vocab_parallel_log_probs(window, targets, temperature)
+    entropy = vocab_parallel_entropy(window, temperature) if with_entropy else None
+    return log_probs, entropy
+
+
+def _token_weighted(value: float, local_tokens: torch.Tensor, norm: MiniBatchNorm) -> torch.Tensor:
+    # A mean over this call's tokens, re-weighted so that summing over all calls gives the
+    # mean over the mini-batch's tokens.
+    return (value * local_tokens / max(norm.batch_num_tokens, 1)).float()
+
+
+def policy_loss_func(
+    cfg: ActorLossConfig, norm: MiniBatchNorm, micro_batch: Mapping[str, torch.Tensor], logits: torch.Tensor
+) -> tuple[torch.Tensor, Metrics]:
+    """megatron ``loss_func``: the micro-batch's share of the mini-batch loss, and its metrics.
+
+    loss = pg_loss + kl_loss_coef * kl_loss - entropy_coeff * entropy_loss, each aggregated with
+    ``cfg.loss_agg_mode`` over the global mini-batch (``norm``), then multiplied by
+    ``norm.num_microbatches`` because megatron divides every micro-batch's loss by it (with
+    ``calculate_per_token_loss=False``). With DDP averaging over DP ranks, the step's gradient is
+    then the gradient of the whole-mini-batch loss, however the mini-batch is split.
+
+    Metrics are detached float32 scalars whose sum over all micro-batches and DP ranks is the
+    mini-batch value: ``actor/pg_loss``, ``actor/kl_loss`` (with KL), ``actor/entropy`` (mean
+    over valid tokens), ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``.
+    """
+    mask = micro_batch["response_mask"].bool()
+    window, targets = _response_window(
+        logits, micro_batch["input_ids"], micro_batch["prompt_lengths"], mask.shape[1]
+    )
+    log_probs = vocab_parallel_log_probs(window, targets, cfg.temperature)
+    # Without an entropy bonus the entropy is only a metric: no graph, no backward through it.
+    with contextlib.nullcontext() if cfg.entropy_coeff != 0 else torch.no_grad():
+        entropy = vocab_parallel_entropy(window, cfg.temperature)
+
+    norm_kwargs = dict(
+        dp_size=norm.dp_size, batch_num_tokens=norm.batch_num_tokens, global_batch_size=norm.global_batch_size
+    )
+    pg_loss, pg_metrics = compute_policy_loss(
+        cfg.loss_mode,
+        micro_batch["old_log_probs"],
+        log_probs,
+        micro_batch["advantages"],
+        mask,
+        clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        loss_agg_mode=cfg.loss_agg_mode,
+        **norm_kwargs,
+    )
+    # Each aggregated term carries a factor dp_size (for DDP's average); metrics drop it.
+    loss = pg_loss
+    metrics = {"actor/pg_loss": pg_loss.detach().float() / norm.dp_size}
+
+    if cfg.use_kl_loss:
+        # Zero both sides at padding: a junk reference value there would otherwise reach the
+        # gradient as 0 * NaN through the estimator's backward.
+        kl = kl_penalty(
+            torch.where(mask, log_probs, 0.0),
+            torch.where(mask, micro_batch["ref_log_probs"], 0.0),
+            cfg.kl_loss_type,
+        )
+        kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **norm_kwargs)
+        loss = loss + cfg.kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss.detach().float() / norm.dp_size
+
+    if cfg.entropy_coeff != 0:
+        loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **norm_kwargs)
+
+    metrics["actor/entropy"] = agg_loss(
+        entropy.detach(), mask, "token-mean", batch_num_tokens=norm.batch_num_tokens
+    ).float()
+    local_tokens = mask.sum()
+    metrics.update({name: _token_weighted(value, local_tokens, norm) for name, value in pg_metrics.items()})
+    return loss * norm.num_microbatches, metrics
+
+
+def log_prob_func(
+    temperature: float, with_entropy: bool, micro_batch: Mapping[str, torch.Tensor], logits: torch.Tensor
+) -> tuple[torch.Tensor, Metrics]:
+    """megatron ``loss_func`` for forward-only passes (old / reference log-probs).
+
+    Returns a zero loss and ``{"log_probs": [b, R]}`` plus ``"entropy"`` [b, R] if asked, detached;
+    R is the width of ``micro_batch["response_mask"]``.
+    """
+    log_probs, entropy = response_log_probs(
+        logits,
+        micro_batch["input_ids"],
+        micro_batch["prompt_lengths"],
+        micro_batch["response_mask"].shape[1],
+        temperature,
+        with_entropy,
+    )
+    outputs = {"log_probs": log_probs.detach()}
+    if entropy is not None:
+        outputs["entropy"] = entropy.detach()
+    # megatron scales the returned loss in place, so it must be a fresh tensor.
+    return torch.zeros((), device=logits.device), outputs

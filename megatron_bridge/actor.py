@@ -1,0 +1,280 @@
+"""A megatron-core actor: this rank's TP/PP/EP shard of a Qwen3-MoE model, its DistributedOptimizer
+and LR schedule, and the two passes RL needs: forward-only (old/ref log-probs) and update.
+
+The RL algorithm is not here: both passes take a ``loss_fn`` from ``loss.megatron_hook``, called
+as ``loss_fn([norm,] micro_batch, output)``; bound to a micro-batch it is megatron's ``loss_func``. This module owns what makes the
+passes correct under any parallel layout: splitting the batch into micro-batches with one padded
+length, the global normalisation counts, the pipeline schedule, gradient finalisation, and a step
+that is skipped when the gradient is not finite.
+
+Batch convention (a dict of tensors, this DP rank's rows): ``input_ids`` [B, S] = prompt then
+response, right-padded; ``prompt_lengths`` [B]; ``response_mask`` [B, R] over the response window;
+any other [B, ...] tensors the loss hook needs. Every rank of one DP replica gets the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+
+from loss.megatron_hook import MiniBatchNorm
+from megatron_bridge.layout import TrainParallel
+from megatron_bridge.load import LoadReport, load_hf_checkpoint
+from megatron_bridge.model import BuildOptions, build_model_chunks
+from megatron_bridge.model_spec import ModelSpec
+
+LR_DECAY_STYLES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam with linear warmup, then a constant or cosine LR (verl's ``actor.optim`` keys)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: int | None = None  # cosine: optimizer steps from start to min_lr
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style={self.lr_decay_style!r}; choose one of {', '.join(LR_DECAY_STYLES)}")
+        if self.lr_decay_style == "cosine" and not self.lr_decay_steps:
+            raise ValueError("lr_decay_style='cosine' needs lr_decay_steps (the number of optimizer steps)")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+
+
+def initialize_parallel(train: TrainParallel, seed: int = 1234) -> None:
+    """Megatron's process groups for ``train`` (torch.distributed must be up, platform active)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=train.tp,
+            pipeline_model_parallel_size=train.pp,
+            virtual_pipeline_model_parallel_size=train.vpp,
+            context_parallel_size=train.cp,
+            expert_model_parallel_size=train.ep,
+            expert_tensor_parallel_size=train.etp,
+        )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def split_rows(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    rows = len(batch["input_ids"])
+    if rows % size:
+        raise ValueError(f"{rows} rows do not split into batches of {size}")
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def _response_ends(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per row: prompt length + index past the last valid response token."""
+    mask = batch["response_mask"].bool()
+    width = mask.shape[1]
+    last = width - torch.flip(mask, dims=[1]).int().argmax(dim=1)
+    return batch["prompt_lengths"] + torch.where(mask.any(dim=1), last, 0)
+
+
+class MegatronActor:
+    """This rank's shard of the model with its optimizer. Call ``initialize_parallel`` first."""
+
+    def __init__(self, spec: ModelSpec, train: TrainParallel, options: BuildOptions, optim: OptimConfig | None,
+                 platform_name: str):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        self.spec, self.train, self.optim_config = spec, train, optim
+        # Batches arrive on the host; tensors that take part in collectives must be on the device.
+        self.device = torch.device("cpu") if platform_name == "cpu" else torch.device(
+            platform_name, torch.cuda.current_device())
+        self.config, chunks = build_model_chunks(spec, train, options, platform_name)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=train.use_distributed_optimizer
+        )
+        # Only the first chunk buckets its gradients (as megatron's training loop does).
+        self.chunks = [
+            DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.optimizer = self.scheduler = None
+        self.steps = 0
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def load_hf(self, directory: str) -> LoadReport:
+        """Load a HF checkpoint into the shards; builds the optimizer afterwards (it copies the
+        weights into its fp32 state when built)."""
+        report = load_hf_checkpoint(self.chunks, self.spec, directory)
+        self._build_optimizer()
+        return report
+
+    def _build_optimizer(self) -> None:
+        if self.optim_config is None or self.optimizer is not None:
+            return
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.optim_config
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                bf16=self.config.params_dtype == torch.bfloat16, params_dtype=self.config.params_dtype,
+                use_distributed_optimizer=self.train.use_distributed_optimizer,
+            ),
+            self.chunks,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps,
+            # megatron requires decay steps > warmup steps even for a constant LR.
+            lr_decay_steps=o.lr_decay_steps or o.lr_warmup_steps + 1, lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        )
+
+    # --- passes ----------------------------------------------------------------------------
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> tuple[list, int]:
+        """Micro-batches padded to one length: the longest sequence of any rank, rounded up to a
+        multiple of TP (sequence parallel splits it). One length everywhere is what the pipeline's
+        fixed p2p shapes and the allgather dispatcher's equal-size gathers need."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        length = _response_ends(batch).max().clamp(min=1).reshape(1)
+        torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
+        seq_len = math.ceil(int(length) / self.train.tp) * self.train.tp
+        ids = batch["input_ids"][:, :seq_len]
+        if ids.shape[1] < seq_len:
+            ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]))
+        positions = torch.arange(seq_len, device=self.device).expand_as(ids)
+        padded = {**batch, "input_ids": ids, "position_ids": positions}
+        return split_rows(padded, micro_batch_size), seq_len
+
+    def _run(self, micro_batches: list, seq_len: int, loss_fn: Callable, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator, model):
+            mb = next(data_iterator)
+            output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
+            return output, partial(loss_fn, mb)
+
+        iterators = [iter(micro_batches) for _ in self.chunks]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=len(micro_batches[0]["input_ids"]),
+            forward_only=forward_only,
+        )
+
+    def forward_only(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
+                     loss_fn: Callable) -> dict[str, torch.Tensor]:
+        """Run the model without gradients; ``loss_fn(micro_batch, output)`` returns (loss, dict of
+        [b, ...] tensors), e.g. ``partial(loss.megatron_hook.log_prob_func, temperature, False)``.
+        Returns the tensors concatenated over micro-batches, on every rank (sent from the last
+        pipeline stage)."""
+        from megatron.core import parallel_state as ps
+
+        for chunk in self.chunks:
+            chunk.eval()
+        micro_batches, seq_len = self._micro_batches(batch, micro_batch_size)
+        with torch.no_grad():
+            outputs = self._run(micro_batches, seq_len, loss_fn, forward_only=True)
+        for chunk in self.chunks:
+            chunk.train()
+        result = {k: torch.cat([o[k] for o in outputs]) for k in outputs[0]} if outputs else {}
+        return _from_last_stage(result, self.device) if ps.get_pipeline_model_parallel_world_size() > 1 else result
+
+    def train_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int, loss_fn: Callable) -> dict[str, float]:
+        """One optimizer step on ``batch`` (this DP rank's share of one mini-batch).
+
+        ``loss_fn(norm, micro_batch, output)`` returns (loss, metrics), e.g.
+        ``partial(loss.megatron_hook.policy_loss_func, cfg)``; its metrics (0-dim tensors) must
+        add up over micro-batches and DP ranks. A non-finite loss or gradient norm
+        skips the step and leaves the weights as they were (``actor/skipped`` = 1).
+        """
+        from megatron.core import parallel_state as ps
+
+        if self.optimizer is None:
+            raise RuntimeError("no optimizer: load weights with load_hf() (or build with an OptimConfig) first")
+        micro_batches, seq_len = self._micro_batches(batch, micro_batch_size)
+        mask = batch["response_mask"].bool()
+        counts = torch.tensor([mask.sum(), mask.any(dim=1).sum()], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+        norm = MiniBatchNorm(self.dp_size, len(micro_batches), int(counts[0]), int(counts[1]))
+
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(micro_batches, seq_len, partial(loss_fn, norm), forward_only=False)
+        metrics = _sum_metrics(outputs)
+        metrics = _from_last_stage(metrics, self.device) if ps.get_pipeline_model_parallel_world_size() > 1 else metrics
+        for key in metrics:
+            torch.distributed.all_reduce(metrics[key], group=ps.get_data_parallel_group())
+        result = {k: float(v) for k, v in metrics.items()}
+        result.update(self._optimizer_step(loss_finite=all(math.isfinite(v) for v in result.values())))
+        return result
+
+    def _optimizer_step(self, loss_finite: bool) -> dict[str, float]:
+        """megatron's ``optimizer.step()`` split where a bad gradient can still be refused."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
+        if not (loss_finite and math.isfinite(grad_norm)):
+            return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": 1.0}
+        # The schedule counts from 1, so the first step already uses lr / warmup_steps.
+        self.scheduler.step(increment=1)
+        lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if opt.config.clip_grad > 0 and not getattr(opt, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad, total_norm=grad_norm)
+        self.optimizer.step_with_ready_grads()
+        self.steps += 1
+        return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": 0.0}
+
+    def update(self, batch: dict[str, torch.Tensor], mini_batch_size: int, micro_batch_size: int, epochs: int,
+               loss_fn: Callable) -> list[dict[str, float]]:
+        """PPO epochs over mini-batches of ``mini_batch_size`` rows (this DP rank's share): one
+        optimizer step each. Returns the metrics of every step."""
+        return [
+            self.train_step(mini, micro_batch_size, loss_fn)
+            for _ in range(epochs)
+            for mini in split_rows(batch, mini_batch_size)
+        ]
+
+
+def _sum_metrics(outputs: list[dict]) -> dict[str, torch.Tensor]:
+    if not outputs:
+        return {}
+    return {k: torch.stack([o[k].detach().float().reshape(()) for o in outputs]).sum() for k in outputs[0]}
+
+
+def _from_last_stage(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Broadcast the last pipeline stage's tensors to every stage of this pipeline."""
+    from megatron.core import parallel_state as ps
+
+    group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+    header = [[(k, tuple(v.shape), v.dtype) for k, v in tensors.items()] if ps.is_pipeline_last_stage(ignore_virtual=True) else None]
+    torch.distributed.broadcast_object_list(header, src=src, group=group)
+    out = {}
+    for key, shape, dtype in header[0]:
+        tensor = tensors[key].contiguous() if key in tensors else torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(tensor, src=src, group=group)
+        out[key] = tensor
+    return out

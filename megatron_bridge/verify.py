@@ -1,0 +1,260 @@
+"""Check, before a long job, that a HF checkpoint loads correctly into a parallel layout.
+
+    python -m megatron_bridge.verify --hf-dir /models/Qwen3-30B-A3B --tp 2 --ep 2 --etp 1   # one node
+    torchrun --nnodes 2 --nproc-per-node 16 ... -m megatron_bridge.verify --hf-dir ... --tp 4 --pp 2 --ep 8
+
+Started without torchrun, it checks the layout, then starts torchrun itself on this node
+(``--nproc-per-node``, default: the smallest world the layout fits) and exits with the status
+below. Under torchrun, each rank exits with it and torchrun reports it in its failure summary
+(torchrun's own exit status is 1 for any failure).
+
+Every rank loads its shard of the checkpoint into the layout; the sharded model computes per-token
+log-probs of a fixed random batch through the pipeline schedule; rank 0 computes the same with
+transformers' Qwen3-MoE on the CPU (it needs the model's size in host memory) and compares.
+
+Exit status: 0 every check holds, 1 a check fails, 2 the layout or the checkpoint is invalid
+(with the validator's or the loader's message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from megatron_bridge.errors import ConfigError
+
+DEFAULT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.5}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STATUS_FILE_ENV = "MOE_RL_VERIFY_STATUS"  # where rank 0 writes the exit status for the launcher
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_bridge.verify",
+        description="Load a HF Qwen3-MoE checkpoint into a TP/PP/EP/ETP layout and compare its log-probs "
+        "with transformers'. Run under torchrun with TP*PP*CP*DP processes.",
+        epilog="exit status: 0 all checks hold, 1 a check fails, 2 invalid layout or checkpoint",
+    )
+    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: TP)")
+    p.add_argument("--platform", choices=("npu", "cuda", "cpu"), default=None, help="default: detected")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: fp32 on cpu, else bf16)")
+    p.add_argument("--tol", type=float, default=None,
+                   help=f"max |delta log-prob| allowed (default: {DEFAULT_TOLERANCE['fp32']} fp32, {DEFAULT_TOLERANCE['bf16']} bf16)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token batch")
+    p.add_argument("--backend", choices=("builtin", "mbridge"), default="builtin",
+                   help="checkpoint loader; mbridge (needs Transformer Engine) is also checked against the built-in one")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="without torchrun: processes to start on this node (default: the smallest world for the layout)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p.parse_args(argv)
+
+
+def _train_parallel(args: argparse.Namespace):
+    from megatron_bridge.layout import TrainParallel
+
+    return TrainParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                         sequence_parallel=args.tp > 1)
+
+
+def check_layout(args: argparse.Namespace, world_size: int, device: str):
+    """(spec, train layout); raises ConfigError with every violated training rule."""
+    from megatron_bridge.layout import Cluster, Layout
+    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.validate import validate
+
+    spec = load_model_spec(args.hf_dir)
+    train = _train_parallel(args)
+    layout = Layout("verify", train=train, cluster=Cluster(nnodes=1, devices_per_node=world_size, device=device))
+    violations = [v for v in validate(spec, layout, args.seq_len) if not v.rule.startswith("rollout.")]
+    if args.seq_len % args.tp:
+        violations.append(f"--seq-len {args.seq_len} must be a multiple of --tp {args.tp} (sequence parallel)")
+    if violations:
+        raise ConfigError("invalid layout:\n  " + "\n  ".join(str(v) for v in violations))
+    return spec, train
+
+
+def random_batch(spec, args: argparse.Namespace, dp_size: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, spec.vocab_size, (args.batch * dp_size, args.seq_len), generator=generator)
+
+
+def reference_log_probs(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' log p(token t+1 | tokens <= t), [B, S-1], fp32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def sharded_log_probs(actor, input_ids: torch.Tensor) -> torch.Tensor:
+    from functools import partial
+
+    from loss.megatron_hook import log_prob_func
+
+    rows, length = input_ids.shape
+    batch = {
+        "input_ids": input_ids,
+        "prompt_lengths": torch.ones(rows, dtype=torch.long),
+        "response_mask": torch.ones(rows, length - 1),
+    }
+    out = actor.forward_only(batch, 1, partial(log_prob_func, 1.0, False))
+    return out["log_probs"].float().cpu()
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The checks on this rank (torch.distributed must be initialised); rank 0's report."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.model import BuildOptions
+    from megatron_bridge.platform import active
+
+    platform = active()
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    spec, train = check_layout(args, world, platform.name)
+    dtype = args.dtype or ("fp32" if platform.name == "cpu" else "bf16")
+    tol = args.tol if args.tol is not None else DEFAULT_TOLERANCE[dtype]
+
+    initialize_parallel(train)
+    actor = MegatronActor(spec, train, BuildOptions(params_dtype=DTYPES[dtype]), None, platform.name)
+    mismatched: list[str] = []
+    if args.backend == "mbridge":
+        from megatron_bridge.mbridge_backend import load_with_mbridge
+
+        mismatched = load_with_mbridge(actor.chunks, spec, args.hf_dir)
+        bytes_read = 0  # mbridge reads on one rank per TP group and scatters
+    else:
+        bytes_read = actor.load_hf(args.hf_dir).bytes_read
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    input_ids = random_batch(spec, args, dp_size)
+    mine = input_ids[dp_rank * args.batch : (dp_rank + 1) * args.batch]
+    log_probs = sharded_log_probs(actor, mine)
+
+    # Every DP replica's log-probs, and every rank's bytes read and held, to rank 0.
+    held = sum(p.numel() * p.element_size() for chunk in actor.chunks for p in chunk.parameters())
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, (dp_rank, log_probs, bytes_read, held, mismatched))
+    report = {"layout": vars(args) | {"world_size": world, "dtype": dtype}, "tolerance": tol}
+    ok = True
+    if rank == 0:
+        by_dp = {g[0]: g[1] for g in gathered}
+        disagree = sorted({name for g in gathered for name in g[4]})
+        sharded = torch.cat([by_dp[dp] for dp in range(dp_size)])
+        delta = (sharded - reference_log_probs(args.hf_dir, input_ids)).abs()
+        ok = bool(delta.max() <= tol) and not disagree
+        report.update(
+            max_abs_delta_log_prob=float(delta.max()),
+            mean_abs_delta_log_prob=float(delta.mean()),
+            tokens=delta.numel(),
+            bytes_read_per_rank=[g[2] for g in gathered],
+            parameter_bytes_per_rank=[g[3] for g in gathered],
+            backend=args.backend,
+            mbridge_disagrees_on=disagree,
+            round_trip="not checked (needs the export stream)",
+            passed=ok,
+        )
+    verdict = torch.tensor([0 if ok else 1], device=actor.device)
+    torch.distributed.broadcast(verdict, src=0)
+    report["passed"] = not verdict.item()
+    return report
+
+
+def _print(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    layout = report["layout"]
+    print(f"layout: TP{layout['tp']} PP{layout['pp']} VPP{layout['vpp'] or '-'} EP{layout['ep']} "
+          f"ETP{layout['etp'] or layout['tp']} on {layout['world_size']} ranks, {layout['dtype']}")
+    print(f"checkpoint bytes read per rank: {report['bytes_read_per_rank']}")
+    print(f"parameter bytes held per rank:  {report['parameter_bytes_per_rank']}")
+    print(f"max |delta log-prob| vs transformers: {report['max_abs_delta_log_prob']:.3e} "
+          f"(mean {report['mean_abs_delta_log_prob']:.3e}, {report['tokens']} tokens, tolerance {report['tolerance']:g})")
+    if report["backend"] == "mbridge":
+        disagree = report["mbridge_disagrees_on"]
+        print(f"mbridge vs built-in loader: {'identical' if not disagree else f'{len(disagree)} tensors differ, e.g. {disagree[:3]}'}")
+    print(f"round trip: {report['round_trip']}")
+    print("PASS" if report["passed"] else "FAIL")
+
+
+def minimal_world(args: argparse.Namespace) -> int:
+    """Smallest world size both the dense (TP*PP) and the expert (ETP*EP*PP) grids divide."""
+    etp = args.etp or args.tp
+    return math.lcm(args.tp * args.pp, etp * args.ep * args.pp)
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Check the layout here, then run this module under torchrun on this node."""
+    from megatron_bridge import platform
+
+    nproc = args.nproc_per_node or minimal_world(args)
+    try:
+        check_layout(args, nproc, args.platform or platform.detect())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        status_file = os.path.join(tmp, "status")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "megatron_bridge.verify", *argv]
+        returncode = subprocess.run(cmd, env={**os.environ, STATUS_FILE_ENV: status_file}).returncode
+        if os.path.exists(status_file):
+            with open(status_file) as f:
+                return int(f.read())
+    return returncode or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        return launch(args, argv)
+    status = run_rank(args)
+    if os.environ.get(STATUS_FILE_ENV) and int(os.environ["RANK"]) == 0:
+        with open(os.environ[STATUS_FILE_ENV], "w") as f:
+            f.write(str(status))
+    return status
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """This rank's part of the check, as an exit status."""
+    from megatron_bridge import platform
+
+    try:
+        active = platform.activate(args.platform)
+        platform.init_distributed(active)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank = torch.distributed.get_rank()
+    try:
+        report = run(args)
+    except ConfigError as e:  # raised alike on every rank: the layout and the loader agree first
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        _print(report, args.json)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

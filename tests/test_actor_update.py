@@ -1,0 +1,234 @@
+"""One GSPO and one GRPO update through megatron's forward_backward_func, DistributedOptimizer and
+the loss hook give the same new weights however the mini-batch is split: micro-batch 1 vs 4,
+DP1 vs DP2, PP1 vs PP2, EP1 vs EP2. Plus the steps that must not break the weights."""
+
+import math
+
+import pytest
+import torch
+
+from loss.megatron_hook import ActorLossConfig
+from megatron_bridge.layout import TrainParallel
+from tests.distributed import run_ranks
+from tests.hf_model import reference_log_probs, save_checkpoint
+
+ROWS, WIDTH = 8, 6
+LOSSES = {
+    # Clip ranges wide enough that some sequences are clipped and some are not.
+    "gspo": ActorLossConfig(loss_mode="gspo", clip_ratio_low=0.2, clip_ratio_high=0.2),
+    "grpo": ActorLossConfig(loss_mode="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean",
+                            use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01),
+}
+
+
+def make_batch(checkpoint: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """8 rows with different prompt and response lengths; old/ref log-probs near the model's own."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, 6, (ROWS,), generator=g)
+    response = torch.randint(1, WIDTH + 1, (ROWS,), generator=g)
+    length = int((prompt + response).max())
+    ids = torch.randint(3, 512, (ROWS, length), generator=g)
+    mask = (torch.arange(WIDTH) < response[:, None]).float()
+    positions = (prompt[:, None] + torch.arange(WIDTH)).clamp(max=length - 1)
+    ids = torch.where(torch.arange(length) < (prompt + response)[:, None], ids, 0)  # right padding
+    own = reference_log_probs(checkpoint, ids)  # [B, S-1]: token t+1 given tokens <= t
+    own = own.gather(1, (positions - 1).clamp(max=length - 2))
+    return {
+        "input_ids": ids,
+        "prompt_lengths": prompt,
+        "response_mask": mask,
+        "old_log_probs": own + 0.3 * torch.randn(ROWS, WIDTH, generator=g),
+        "ref_log_probs": own + 0.3 * torch.randn(ROWS, WIDTH, generator=g),
+        "advantages": torch.randn(ROWS, 1, generator=g).expand(ROWS, WIDTH).clone(),
+    }
+
+
+def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, batch, out_prefix, loss_names):
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+
+    from loss.megatron_hook import policy_loss_func
+    from megatron_bridge.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.export import local_hf_slices
+    from megatron_bridge.model import BuildOptions
+    from megatron_bridge.model_spec import load_model_spec
+
+    train = TrainParallel(**train_kwargs)
+    initialize_parallel(train)
+    spec = load_model_spec(checkpoint)
+    # A large Adam eps: without it, gradients that are zero up to rounding (different in every
+    # layout) would still move weights by ~lr, since Adam divides by their own magnitude.
+    optim = OptimConfig(lr=1e-3, adam_eps=1e-4, weight_decay=0.1, clip_grad=1.0)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = len(batch["input_ids"]) // dp
+    mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    results = {}
+    for name in loss_names:
+        actor = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), optim, "cpu")
+        actor.load_hf(checkpoint)
+        before = {k: v.clone() for k, v in _named(actor).items()}
+        metrics = actor.train_step(mine, micro_batch_size, partial(policy_loss_func, LOSSES[name]))
+        slices = [(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(actor.chunks, spec)]
+        torch.save(slices, f"{out_prefix}_{name}_rank{rank}.pt")
+        after = _named(actor)
+        metrics["max_change"] = max(float((after[k] - before[k]).abs().max()) for k in after)
+        metrics["finite"] = all(bool(torch.isfinite(v).all()) for v in after.values())
+        results[name] = metrics
+    return results
+
+
+def _named(actor):
+    return {f"{i}.{n}": p.detach() for i, c in enumerate(actor.chunks) for n, p in c.named_parameters()}
+
+
+def assemble(prefix: str, name: str, world_size: int) -> dict[str, torch.Tensor]:
+    """Full HF tensors from every rank's slices; replicated slices must agree."""
+    full: dict[str, torch.Tensor] = {}
+    for rank in range(world_size):
+        for hf_name, rows, cols, tensor in torch.load(f"{prefix}_{name}_rank{rank}.pt"):
+            rows, cols = rows or slice(None), cols or slice(None)
+            if hf_name not in full:
+                full[hf_name] = torch.full(_full_shape(hf_name), math.nan)
+            target = full[hf_name][rows] if tensor.dim() == 1 else full[hf_name][rows, cols]
+            assert torch.isnan(target).all() or torch.equal(target, tensor), f"replicas of {hf_name} differ"
+            if tensor.dim() == 1:
+                full[hf_name][rows] = tensor
+            else:
+                full[hf_name][rows, cols] = tensor
+    assert not any(torch.isnan(t).any() for t in full.values()), "some HF tensor was not covered by any rank"
+    return full
+
+
+def _full_shape(hf_name):
+    from megatron_bridge.load import hf_shape
+    from megatron_bridge.model_spec import load_model_spec
+
+    return hf_shape(load_model_spec("tiny_qwen3_moe"), hf_name)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    checkpoint = save_checkpoint(tmp_path_factory.mktemp("tiny_hf"), seed=1)
+    return checkpoint, make_batch(checkpoint)
+
+
+SPLITS = {
+    "dp1_mb4": (1, {}, 4),
+    "dp1_mb1": (1, {}, 1),
+    "dp2_mb1": (2, {}, 1),
+    "pp2_mb1": (2, {"pp": 2}, 1),
+    "ep2_mb2": (2, {"ep": 2, "etp": 1}, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def updates(setup, tmp_path_factory):
+    checkpoint, batch = setup
+    out = {}
+    for split, (world, train_kwargs, micro) in SPLITS.items():
+        tmp = tmp_path_factory.mktemp(split)
+        results = run_ranks(_update, world, tmp, checkpoint, train_kwargs, micro, batch, str(tmp / "w"), list(LOSSES))
+        out[split] = (results, {name: assemble(str(tmp / "w"), name, world) for name in LOSSES})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+@pytest.mark.parametrize("split", [s for s in SPLITS if s != "dp1_mb4"])
+def test_update_is_the_same_for_any_split(updates, split, loss_name):
+    ref_results, ref_weights = updates["dp1_mb4"]
+    results, weights = updates[split]
+    ref = ref_results[0][loss_name]
+    assert ref["actor/skipped"] == 0 and ref["max_change"] > 1e-4, "the reference update must move the weights"
+    assert 0 < ref["actor/pg_clipfrac"] < 1, "the batch must mix clipped and unclipped tokens"
+    for rank_result in results:
+        got = rank_result[loss_name]
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/entropy", "actor/ppo_kl", "actor/lr"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+        if LOSSES[loss_name].use_kl_loss:
+            assert got["actor/kl_loss"] == pytest.approx(ref["actor/kl_loss"], rel=1e-5)
+    assert weights[loss_name].keys() == ref_weights[loss_name].keys()
+    for hf_name, tensor in ref_weights[loss_name].items():
+        torch.testing.assert_close(weights[loss_name][hf_name], tensor, rtol=0, atol=2e-6, msg=hf_name)
+
+
+def _edge_step(rank, world_size, checkpoint, batch, loss_name):
+    from functools import partial
+
+    from loss.megatron_hook import policy_loss_func
+    from megatron_bridge.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.model import BuildOptions
+    from megatron_bridge.model_spec import load_model_spec
+
+    train = TrainParallel()
+    initialize_parallel(train)
+    actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=torch.float32),
+                          OptimConfig(lr=1e-3), "cpu")
+    actor.load_hf(checkpoint)
+    before = {k: v.clone() for k, v in _named(actor).items()}
+    metrics = actor.train_step(batch, 2, partial(policy_loss_func, LOSSES[loss_name]))
+    after = _named(actor)
+    return {
+        "metrics": metrics,
+        "finite": all(bool(torch.isfinite(v).all()) for v in after.values()),
+        "unchanged": all(torch.equal(before[k], after[k]) for k in after),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_zero_length_response_and_equal_rewards_keep_weights_finite(setup, tmp_path, loss_name):
+    checkpoint, batch = setup
+    batch = {k: v.clone() for k, v in batch.items()}
+    batch["response_mask"][0] = 0  # a zero-length response
+    batch["advantages"].zero_()  # every group's rewards equal
+    (result,) = run_ranks(_edge_step, 1, tmp_path, checkpoint, batch, loss_name)
+    assert result["metrics"]["actor/skipped"] == 0
+    assert all(math.isfinite(v) for v in result["metrics"].values())
+    assert result["finite"]
+
+
+@pytest.mark.slow
+def test_non_finite_loss_skips_the_step_and_keeps_the_weights(setup, tmp_path):
+    checkpoint, batch = setup
+    batch = {k: v.clone() for k, v in batch.items()}
+    batch["advantages"][1] = math.nan
+    (result,) = run_ranks(_edge_step, 1, tmp_path, checkpoint, batch, "gspo")
+    assert result["metrics"]["actor/skipped"] == 1
+    assert result["unchanged"]
+
+
+def _epochs(rank, world_size, checkpoint, batch, optim_kwargs):
+    from functools import partial
+
+    from loss.megatron_hook import policy_loss_func
+    from megatron_bridge.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.model import BuildOptions
+    from megatron_bridge.model_spec import load_model_spec
+
+    train = TrainParallel()
+    initialize_parallel(train)
+    actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=torch.float32),
+                          OptimConfig(**optim_kwargs), "cpu")
+    actor.load_hf(checkpoint)
+    steps = actor.update(batch, mini_batch_size=4, micro_batch_size=2, epochs=2,
+                         loss_fn=partial(policy_loss_func, LOSSES["gspo"]))
+    return {"lrs": [s["actor/lr"] for s in steps], "losses": [s["actor/pg_loss"] for s in steps], "steps": actor.steps}
+
+
+@pytest.mark.slow
+def test_update_runs_ppo_epochs_over_mini_batches_on_the_lr_schedule(setup, tmp_path):
+    checkpoint, batch = setup
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "cos").mkdir()
+    (warm,) = run_ranks(_epochs, 1, tmp_path / "warm", checkpoint, batch, dict(lr=1e-3, lr_warmup_steps=2))
+    # 8 rows / mini-batch 4 x 2 epochs = 4 optimizer steps; linear warmup reaches lr at step 2.
+    assert warm["steps"] == 4
+    assert warm["lrs"] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])
+    # The second epoch sees the first mini-batch again, after two updates: its loss has moved.
+    assert warm["losses"][2] != pytest.approx(warm["losses"][0], abs=1e-7)
+    (cos,) = run_ranks(_epochs, 1, tmp_path / "cos", checkpoint, batch,
+                       dict(lr=1e-3, min_lr=1e-4, lr_warmup_steps=1, lr_decay_style="cosine", lr_decay_steps=4))
+    lrs = cos["lrs"]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[0] > lrs[1] > lrs[2] > lrs[3] >= 1e-4
