@@ -489,11 +489,15 @@ def report(results: list[dict], command: str, shape: BatchShape, steps: int, thr
 BEGIN, END = "<!-- bench:begin (written by bench/actor_throughput.py) -->", "<!-- bench:end -->"
 
 
+def has_generated_block(text: str) -> bool:
+    return BEGIN in text and END in text.split(BEGIN, 1)[1]
+
+
 def write_doc(path: Path, body: str) -> None:
     """Replace the generated block of ``path`` (or create the file), keeping the prose around it."""
     block = f"{BEGIN}\n{body}\n{END}"
     text = path.read_text() if path.exists() else f"# Actor throughput on CPU\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
+    if not has_generated_block(text):
         raise SystemExit(f"error: {path} has no generated block ({BEGIN} ... {END}); refusing to overwrite it")
     head, rest = text.split(BEGIN, 1)
     path.write_text(head + block + rest.split(END, 1)[1])
@@ -525,6 +529,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.out and args.out.exists() and not has_generated_block(args.out.read_text()):
+        p.error(f"--out {args.out} has no generated block ({BEGIN} ... {END}); add one or choose a new file")
     if args.checkpoint and not Path(args.checkpoint, "config.json").is_file():
         p.error(f"--checkpoint {args.checkpoint}: no config.json there (expected a HF model directory)")
     for name in args.layouts:
