@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint:
             checkpoint = args.checkpoint
         else:
-            from bench.tiny_checkpoint import save_tiny_checkpoint
+            from megatron_bridge.tiny_model import save_tiny_checkpoint
 
             checkpoint = str(save_tiny_checkpoint(tmp))
         for layout in args.layouts:

@@ -2,10 +2,11 @@
 and LR schedule, and the two passes RL needs: forward-only (old/ref log-probs) and update.
 
 The RL algorithm is not here: both passes take a ``loss_fn`` from ``loss.megatron_hook``, called
-as ``loss_fn([norm,] micro_batch, output)``; bound to a micro-batch it is megatron's ``loss_func``. This module owns what makes the
-passes correct under any parallel layout: splitting the batch into micro-batches with one padded
-length, the global normalisation counts, the pipeline schedule, gradient finalisation, and a step
-that is skipped when the gradient is not finite.
+as ``loss_fn([norm,] micro_batch, output)``; bound to a micro-batch it is megatron's
+``loss_func``. This module owns what makes the passes correct under any parallel layout:
+splitting the batch into micro-batches with one padded length, the global normalisation counts,
+the pipeline schedule, gradient finalisation, and a step that is skipped when the gradient is not
+finite.
 
 Batch convention (a dict of tensors, this DP rank's rows): ``input_ids`` [B, S] = prompt then
 response, right-padded; ``prompt_lengths`` [B]; ``response_mask`` [B, R] over the response window;
@@ -223,9 +224,10 @@ class MegatronActor:
         outputs = self._run(micro_batches, seq_len, partial(loss_fn, norm), forward_only=False)
         metrics = _sum_metrics(outputs)
         metrics = _from_last_stage(metrics, self.device) if ps.get_pipeline_model_parallel_world_size() > 1 else metrics
-        for key in metrics:
-            torch.distributed.all_reduce(metrics[key], group=ps.get_data_parallel_group())
-        result = {k: float(v) for k, v in metrics.items()}
+        # One all-reduce for all metrics: each is a sum over DP ranks.
+        values = torch.stack(list(metrics.values())) if metrics else torch.zeros(0, device=self.device)
+        torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
+        result = {k: float(v) for k, v in zip(metrics, values)}
         result.update(self._optimizer_step(loss_finite=all(math.isfinite(v) for v in result.values())))
         return result
 

@@ -27,11 +27,6 @@ class CheckpointError(ConfigError):
     """A checkpoint is missing a tensor, has a wrong shape, or cannot be read."""
 
 
-def _dims(index: tuple[slice, ...], shape: list[int]) -> list[int]:
-    dims = [len(range(*s.indices(n))) for s, n in zip(index, shape)]
-    return dims + shape[len(index):]
-
-
 class HFCheckpoint:
     """The tensors of a HF model directory (``model.safetensors`` or sharded with an index).
 
@@ -111,8 +106,9 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         stored, lead = self._locate(name)
         shape = self._slice(stored).get_shape()[len(lead):]
-        half = self._fused_half(name, stored)
-        return tuple(_dims(half, shape)) if half else tuple(shape)
+        if self._fused_half(name, stored):
+            shape[0] //= 2
+        return tuple(shape)
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         """Rows and/or columns of tensor ``name`` (all of it when both are None)."""

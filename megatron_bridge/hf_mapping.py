@@ -29,9 +29,6 @@ import torch
 
 from megatron_bridge.model_spec import ModelSpec
 
-KINDS = ("full", "rows", "cols", "qkv", "gate_up")
-
-
 @dataclass(frozen=True)
 class HFPart:
     """One megatron shard (or, for grouped experts, one expert's part of it) and its HF sources."""

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_bridge.verify import parse_args, run
 from tests.distributed import run_ranks
-from tests.hf_model import save_checkpoint
+from megatron_bridge.tiny_model import save_tiny_checkpoint as save_checkpoint
 
 # fp32 on CPU: measured max |delta| is ~1.5e-6 in every layout (summation order only).
 TOLERANCE = 1e-4

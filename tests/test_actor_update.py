@@ -10,7 +10,8 @@ import torch
 from loss.megatron_hook import ActorLossConfig
 from megatron_bridge.layout import TrainParallel
 from tests.distributed import run_ranks
-from tests.hf_model import reference_log_probs, save_checkpoint
+from megatron_bridge.tiny_model import save_tiny_checkpoint as save_checkpoint
+from megatron_bridge.verify import reference_log_probs
 
 ROWS, WIDTH = 8, 6
 LOSSES = {

@@ -17,7 +17,7 @@ from megatron_bridge.hf_mapping import (
     to_megatron,
 )
 from megatron_bridge.model_spec import load_model_spec
-from tests.hf_model import hf_model
+from megatron_bridge.tiny_model import tiny_hf_model as hf_model
 
 SPEC = load_model_spec("tiny_qwen3_moe")  # 8 heads, 4 query groups, head_dim 16, hidden 64
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.distributed import run_ranks
-from tests.hf_model import save_checkpoint
+from megatron_bridge.tiny_model import save_tiny_checkpoint as save_checkpoint
 
 
 @pytest.fixture(scope="module")

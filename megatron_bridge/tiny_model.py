@@ -1,7 +1,14 @@
-"""A tiny Qwen3-MoE saved with transformers, with weights scaled so that log-probs and routing are
-far from uniform (transformers' default init, std 0.02, would make every layout look right)."""
+"""The tiny Qwen3-MoE of ``configs/model/tiny_qwen3_moe.yaml`` as a transformers model and HF
+checkpoint, for tests, benchmarks and the CPU examples.
+
+Weights are drawn so that every linear map roughly keeps unit variance: with transformers' default
+init (std 0.02) log-probs would be near uniform and tokens would spread almost evenly over the
+experts, which would make every layout look right and flatter expert-parallel ones.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -10,7 +17,8 @@ from megatron_bridge.model_spec import load_hf_config
 TINY = "tiny_qwen3_moe"
 
 
-def hf_model(seed: int = 0, **overrides):
+def tiny_hf_model(seed: int = 0, **overrides):
+    """transformers' Qwen3MoeForCausalLM with the tiny config (plus ``overrides``), fp32, eval."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(**{**load_hf_config(TINY), **overrides})
@@ -27,17 +35,7 @@ def hf_model(seed: int = 0, **overrides):
     return model
 
 
-def save_checkpoint(directory, seed: int = 0, **overrides) -> str:
+def save_tiny_checkpoint(directory: str | Path, seed: int = 0, **overrides) -> str:
     """Save the tiny model as on the Hub (per-expert tensor names, safetensors)."""
-    hf_model(seed, **overrides).save_pretrained(directory)
+    tiny_hf_model(seed, **overrides).save_pretrained(directory)
     return str(directory)
-
-
-def reference_log_probs(directory, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' log p(input_ids[:, t+1] | input_ids[:, :t+1]) for every t, shape [B, S-1]."""
-    from transformers import Qwen3MoeForCausalLM
-
-    model = Qwen3MoeForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=input_ids).logits.float()
-    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
