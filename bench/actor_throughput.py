@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform as host
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,7 +47,10 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 
 import torch  # noqa: E402
 
+from bench.common import cpu_cores, free_port, has_generated_block, machine_facts, markers, write_doc  # noqa: E402
 from megatron_bridge.layout import TrainParallel  # noqa: E402
+
+SCRIPT = "bench/actor_throughput.py"
 
 
 @dataclass(frozen=True)
@@ -340,16 +341,6 @@ def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, threads: in
 # --- the driver ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def run_layout(layout: str, checkpoint: str, shape: BatchShape, steps: int, threads: int | None,
                profile_dir: str | None) -> dict[str, Any]:
     """Spawn the layout's ranks and summarise what they measured."""
@@ -359,7 +350,7 @@ def run_layout(layout: str, checkpoint: str, shape: BatchShape, steps: int, thre
     per_rank = threads or LAYOUTS[layout].threads or max(1, cpu_cores() // world)
     with tempfile.TemporaryDirectory(prefix=f"bench_{layout}_") as out_dir:
         start = time.perf_counter()
-        mp.spawn(_rank_entry, args=(world, _free_port(), out_dir, per_rank, layout, checkpoint, shape, steps,
+        mp.spawn(_rank_entry, args=(world, free_port(), out_dir, per_rank, layout, checkpoint, shape, steps,
                                     profile_dir), nprocs=world, join=True)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     return summarise(layout, ranks, time.perf_counter() - start)
@@ -435,21 +426,6 @@ def phase_table(results: list[dict], key: str) -> str:
     return "\n".join(lines)
 
 
-def machine_facts(threads_note: str, load_before: float) -> list[str]:
-    import megatron.core
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-    model = names[0] if names else host.processor() or "unknown CPU"
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return [
-        f"- CPU: {cpu_cores()} cores usable ({model}), {mem_gib:.0f} GiB memory, {host.system()} {host.release()}",
-        f"- 1-minute load average before the run: {load_before:.2f} (other processes on the machine skew the numbers)",
-        f"- Python {host.python_version()}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, gloo backend",
-        f"- threads: {threads_note}",
-    ]
-
-
 def threads_policy(threads: int | None, layouts: list[BenchLayout]) -> str:
     cores = cpu_cores()
     if threads:
@@ -486,23 +462,6 @@ def report(results: list[dict], command: str, shape: BatchShape, steps: int, thr
     ])
 
 
-BEGIN, END = "<!-- bench:begin (written by bench/actor_throughput.py) -->", "<!-- bench:end -->"
-
-
-def has_generated_block(text: str) -> bool:
-    return BEGIN in text and END in text.split(BEGIN, 1)[1]
-
-
-def write_doc(path: Path, body: str) -> None:
-    """Replace the generated block of ``path`` (or create the file), keeping the prose around it."""
-    block = f"{BEGIN}\n{body}\n{END}"
-    text = path.read_text() if path.exists() else f"# Actor throughput on CPU\n\n{BEGIN}\n{END}\n"
-    if not has_generated_block(text):
-        raise SystemExit(f"error: {path} has no generated block ({BEGIN} ... {END}); refusing to overwrite it")
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + block + rest.split(END, 1)[1])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python bench/actor_throughput.py",
@@ -529,8 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
-    if args.out and args.out.exists() and not has_generated_block(args.out.read_text()):
-        p.error(f"--out {args.out} has no generated block ({BEGIN} ... {END}); add one or choose a new file")
+    if args.out and args.out.exists() and not has_generated_block(args.out.read_text(), SCRIPT):
+        p.error(f"--out {args.out} has no generated block ({' ... '.join(markers(SCRIPT))}); add one or choose a new file")
     if args.checkpoint and not Path(args.checkpoint, "config.json").is_file():
         p.error(f"--checkpoint {args.checkpoint}: no config.json there (expected a HF model directory)")
     for name in args.layouts:
@@ -570,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     body = report(results, command.strip(), shape, args.steps, threads_note, load_before)
     print(body)
     if args.out:
-        write_doc(args.out, body)
+        write_doc(args.out, body, SCRIPT, "Actor throughput on CPU")
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -117,6 +117,43 @@ def sharded_log_probs(actor, input_ids: torch.Tensor) -> torch.Tensor:
     return out["log_probs"].float().cpu()
 
 
+def round_trip(chunks, spec, hf_dir: str, dtype: torch.dtype) -> tuple[list[str], list[str], int]:
+    """Export the loaded shards through the rollout weight stream and compare each tensor with the
+    checkpoint's (cast to the model dtype) bit for bit: (names received, names that differ, bytes).
+    Rollout expert parallel is as wide as the experts and ranks allow, so each rank checks the
+    dense tensors and its share of the experts."""
+    from megatron_bridge.export import Routing, WeightExporter
+    from megatron_bridge.hf_checkpoint import HFCheckpoint
+
+    world = torch.distributed.get_world_size()
+    routing = Routing(world, spec.num_experts, math.gcd(spec.num_experts, world))
+    exporter = WeightExporter(chunks, spec, routing, bucket_mb=64, dtype=dtype)
+    seen, differ = [], []
+    with HFCheckpoint(hf_dir) as ckpt:
+        for name, tensor in exporter.stream():
+            seen.append(name)
+            expected = ckpt.read(name).to(dtype)
+            if tensor.shape != expected.shape or tensor.dtype != expected.dtype or not torch.equal(tensor, expected):
+                differ.append(name)
+    return seen, differ, exporter.stats.bytes_yielded
+
+
+def hub_names(hf_dir: str) -> set[str]:
+    """The checkpoint's tensor names as on the Hub (transformers-5 fused experts split per expert)."""
+    from megatron_bridge.hf_checkpoint import HFCheckpoint
+
+    with HFCheckpoint(hf_dir) as ckpt:
+        names = set()
+        for name in ckpt.weight_map:
+            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                projs = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+                prefix = name.rsplit(".", 1)[0]
+                names.update(f"{prefix}.{e}.{p}.weight" for e in range(ckpt.shape(name)[0]) for p in projs)
+            else:
+                names.add(name)
+    return names
+
+
 def run(args: argparse.Namespace) -> dict:
     """The checks on this rank (torch.distributed must be initialised); rank 0's report."""
     from megatron.core import parallel_state as ps
@@ -145,11 +182,12 @@ def run(args: argparse.Namespace) -> dict:
     input_ids = random_batch(spec, args, dp_size)
     mine = input_ids[dp_rank * args.batch : (dp_rank + 1) * args.batch]
     log_probs = sharded_log_probs(actor, mine)
+    trip = round_trip(actor.chunks, spec, args.hf_dir, DTYPES[dtype])
 
     # Every DP replica's log-probs, and every rank's bytes read and held, to rank 0.
     held = sum(p.numel() * p.element_size() for chunk in actor.chunks for p in chunk.parameters())
     gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, (dp_rank, log_probs, bytes_read, held, mismatched))
+    torch.distributed.all_gather_object(gathered, (dp_rank, log_probs, bytes_read, held, mismatched, trip))
     report = {"layout": vars(args) | {"world_size": world, "dtype": dtype}, "tolerance": tol}
     ok = True
     if rank == 0:
@@ -157,7 +195,12 @@ def run(args: argparse.Namespace) -> dict:
         disagree = sorted({name for g in gathered for name in g[4]})
         sharded = torch.cat([by_dp[dp] for dp in range(dp_size)])
         delta = (sharded - reference_log_probs(args.hf_dir, input_ids)).abs()
-        ok = bool(delta.max() <= tol) and not disagree
+        received = {name for g in gathered for name in g[5][0]}
+        expected = hub_names(args.hf_dir)
+        differ = sorted({name for g in gathered for name in g[5][1]})
+        missing, extra = sorted(expected - received), sorted(received - expected)
+        trip_ok = not (differ or missing or extra)
+        ok = bool(delta.max() <= tol) and not disagree and trip_ok
         report.update(
             max_abs_delta_log_prob=float(delta.max()),
             mean_abs_delta_log_prob=float(delta.mean()),
@@ -166,7 +209,8 @@ def run(args: argparse.Namespace) -> dict:
             parameter_bytes_per_rank=[g[3] for g in gathered],
             backend=args.backend,
             mbridge_disagrees_on=disagree,
-            round_trip="not checked (needs the export stream)",
+            round_trip={"bit_exact": trip_ok, "tensors": len(received), "bytes_per_rank": [g[5][2] for g in gathered],
+                        "differ": differ[:10], "missing": missing[:10], "extra": extra[:10]},
             passed=ok,
         )
     verdict = torch.tensor([0 if ok else 1], device=actor.device)
@@ -189,7 +233,12 @@ def _print(report: dict, as_json: bool) -> None:
     if report["backend"] == "mbridge":
         disagree = report["mbridge_disagrees_on"]
         print(f"mbridge vs built-in loader: {'identical' if not disagree else f'{len(disagree)} tensors differ, e.g. {disagree[:3]}'}")
-    print(f"round trip: {report['round_trip']}")
+    trip = report["round_trip"]
+    if trip["bit_exact"]:
+        print(f"round trip (load -> export stream): all {trip['tensors']} tensors equal the checkpoint bit for bit")
+    else:
+        print(f"round trip (load -> export stream): FAILED; differ {trip['differ']}, missing {trip['missing']}, "
+              f"extra {trip['extra']} (first 10 of each)")
     print("PASS" if report["passed"] else "FAIL")
 
 

@@ -1,5 +1,6 @@
 """The sharded megatron model loaded from a HF checkpoint gives transformers' log-probs, in every
-parallel layout, and each rank reads only its own shard of the checkpoint.
+parallel layout, each rank reads only its own shard of the checkpoint, and the rollout weight
+stream gives the checkpoint back bit for bit (names and shapes included).
 
 Runs ``megatron_bridge.verify`` (the check users run on their cluster) on CPU gloo ranks.
 """
@@ -48,6 +49,10 @@ def test_sharded_log_probs_equal_transformers(name, checkpoint, tmp_path):
     # ... which is less than the whole model whenever the layout shards it.
     whole = sum(p.numel() * 4 for p in _hf_params(checkpoint))
     assert max(report["bytes_read_per_rank"]) < whole
+    # HF checkpoint -> shards -> export stream == the checkpoint, every tensor, bit for bit.
+    trip = report["round_trip"]
+    assert trip["bit_exact"], trip
+    assert trip["tensors"] == len(_hf_params(checkpoint)) == 135
 
 
 def _model_parallel(flags):

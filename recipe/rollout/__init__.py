@@ -1,0 +1,1 @@
+"""Rollout engines behind one interface (recipe.rollout.base): vLLM / vLLM-Ascend, and transformers on the CPU."""

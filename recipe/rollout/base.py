@@ -1,0 +1,86 @@
+"""The one interface every rollout engine serves: generate, load weights, sleep and wake.
+
+Prompts and responses are token ids: tokenising and chat templates belong to the recipe's data
+layer, so every engine sees the same integers.
+
+Log-probs: per response token, log softmax(logits / temperature) of the full vocabulary (before
+top-k / top-p), which is what the actor computes with the same temperature, so the two can be
+compared token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+WeightStream = Iterable[tuple[str, torch.Tensor]]  # (HF checkpoint name as on the Hub, full tensor)
+
+
+class WeightLoadError(ValueError):
+    """The weight stream does not match the engine's model (missing, extra or misshapen tensor)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off (vLLM's convention)
+    max_tokens: int = 16  # response tokens per prompt
+    seed: int | None = None  # same seed, prompts and weights: same responses
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling max_tokens must be >= 1, got {self.max_tokens}")
+
+
+def check_prompts(prompts: list[list[int]], max_tokens: int, vocab_size: int, max_len: int, limit: str) -> None:
+    """What every engine refuses, with the prompt's index: empty prompts, ids outside the
+    vocabulary, prompt + max_tokens beyond the engine's length limit (named by ``limit``)."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        if len(prompt) + max_tokens > max_len:
+            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens {max_tokens} exceed the {limit} {max_len}")
+
+
+@dataclass
+class Generation:
+    """One response per prompt, in prompt order, without padding."""
+
+    token_ids: list[list[int]]
+    log_probs: list[list[float]]  # one per response token (see the module doc)
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop token) or "length"
+
+
+@dataclass
+class LoadStats:
+    tensors: int
+    bytes: int
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+        """One response per prompt; a stop or EOS token that ended a response is its last token.
+        With a parallel engine this is a collective: the ranks of one TP group pass the same
+        prompts, and every DP rank calls it (with its own prompts, possibly none)."""
+
+    def load_weights(self, weights: WeightStream) -> LoadStats:
+        """Replace the model's weights from a stream of Hub-format tensors. A stream that does not
+        match the model raises WeightLoadError naming the tensor."""
+
+    def sleep(self) -> None:
+        """Hand the device memory to the trainer (colocated mode); engines may take a level."""
+
+    def wake_up(self) -> None: ...

@@ -1,0 +1,274 @@
+"""The rollout engine on transformers' Qwen3-MoE: the CPU engine for tests and the tiny default model.
+
+It needs nothing but torch and transformers, so the whole RL loop (export, weight sync, rollout,
+log-prob comparison) runs on a laptop or in CI, on the model code the trainer's parity tests use.
+It is not fast: one plain KV-cache decoding loop over a left-padded batch.
+
+Weights arrive in the Hub checkpoint format (one tensor per expert and projection), while
+transformers 5 keeps each layer's experts fused:
+
+    model.layers.L.mlp.experts.gate_up_proj  [E, 2I, H]  rows 0:I gate_proj, I:2I up_proj of expert e
+    model.layers.L.mlp.experts.down_proj     [E, H, I]   expert e's down_proj
+
+so ``load_weights`` writes each Hub tensor into its slot of the fused tensor (the inverse of
+transformers' ``MergeModulelist`` + ``Concatenate`` conversion for ``qwen2_moe``-style models).
+
+Log-probs follow ``recipe.rollout.base``: log softmax(logits / temperature) over the full
+vocabulary in float32, before top-k / top-p; greedy decoding (temperature 0) reports them at
+temperature 1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DynamicCache,
+    PreTrainedConfig,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from recipe.rollout.base import Generation, LoadStats, SamplingParams, WeightLoadError, WeightStream, check_prompts
+
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_MISSING_SHOWN = 5  # missing names listed in a WeightLoadError
+_UNCHANGED = " (the engine's weights are unchanged)"
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one Hub tensor goes: a model parameter, or an index into a fused expert parameter."""
+
+    param: str
+    index: tuple  # () for the whole parameter
+    shape: tuple[int, ...]
+
+
+class HFEngine:
+    """``recipe.rollout.base.RolloutEngine`` on ``transformers.Qwen3MoeForCausalLM``.
+
+    ``config`` is a model directory (with ``config.json``) or a transformers config. Without
+    ``load_from_checkpoint`` the weights are transformers' random init until ``load_weights``.
+    """
+
+    def __init__(
+        self,
+        config: str | os.PathLike | PreTrainedConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        load_from_checkpoint: bool = False,
+    ):
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if isinstance(config, PreTrainedConfig):
+            if load_from_checkpoint:
+                raise ValueError("load_from_checkpoint needs a model directory, not a config object")
+        else:
+            directory, config = config, AutoConfig.from_pretrained(config)
+        if config.model_type != "qwen3_moe":
+            raise ValueError(f"HFEngine serves qwen3_moe models, got model_type {config.model_type!r}")
+        if load_from_checkpoint:
+            model = Qwen3MoeForCausalLM.from_pretrained(directory, dtype=dtype)
+        else:
+            # a copy: from_config writes the dtype into the config it is given. Its random init
+            # draws from the global RNG, which the engine leaves as it was.
+            config = Qwen3MoeConfig.from_dict(config.to_dict())
+            with torch.random.fork_rng(devices=[]):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.config = self.model.config
+        self.eos_token_ids = _eos_token_ids(self.model)
+        self._slots = _hub_slots(self.model)
+        self._spare: dict[str, torch.Tensor] = {}  # staging tensors for the next load_weights
+        self._asleep = False
+
+    # -- weights ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: WeightStream) -> LoadStats:
+        """Replace every weight from a stream of Hub-format tensors (any float dtype, any device).
+
+        Each tensor is copied into a staging tensor before the next one is pulled (the producer may
+        reuse its buffer) and cast to the engine dtype. The staged weights replace the model's only
+        once the whole stream has matched the model, so a WeightLoadError leaves the engine as it
+        was. Staging takes a second copy of the weights on the device they are on (the host while
+        asleep); a CPU engine keeps it for the next load (see below).
+        """
+        params = dict(self.model.named_parameters())
+        staged: dict[str, torch.Tensor] = {}
+        seen: set[str] = set()
+        count = nbytes = 0
+        for name, tensor in weights:
+            slot = self._slots.get(name)
+            if slot is None:
+                raise WeightLoadError(f"unexpected tensor {name!r}: not a weight of this model{_UNCHANGED}")
+            if name in seen:
+                raise WeightLoadError(f"tensor {name!r} appears twice in the stream{_UNCHANGED}")
+            if tuple(tensor.shape) != slot.shape:
+                shape = tuple(tensor.shape)
+                raise WeightLoadError(f"tensor {name!r} has shape {shape}, the model's is {slot.shape}{_UNCHANGED}")
+            seen.add(name)
+            count += 1
+            nbytes += tensor.numel() * tensor.element_size()
+            if slot.param not in staged:
+                spare = self._spare.get(slot.param)
+                staged[slot.param] = spare if spare is not None else torch.empty_like(params[slot.param])
+            staged[slot.param][slot.index].copy_(tensor)
+        if len(seen) < len(self._slots):
+            missing = [name for name in self._slots if name not in seen]
+            shown = ", ".join(missing[:_MISSING_SHOWN]) + (", ..." if len(missing) > _MISSING_SHOWN else "")
+            raise WeightLoadError(f"the stream lacks {len(missing)} tensor(s): {shown}{_UNCHANGED}")
+        # every slot of every parameter was written, so each staged tensor is complete
+        replaced = {}
+        for name, tensor in staged.items():
+            replaced[name] = params[name].data
+            params[name].data = tensor
+        # On the CPU the replaced tensors stage the next load: writing into fresh pages costs 3-4x
+        # the copy itself (first-touch page faults). A device keeps no spare: it would hold device
+        # memory that sleep() must give back.
+        self._spare = replaced if self.device.type == "cpu" else {}
+        return LoadStats(tensors=count, bytes=nbytes)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+        if self._asleep:
+            raise RuntimeError("engine is asleep; call wake_up() first")
+        if not prompts:
+            return Generation(token_ids=[], log_probs=[], finish_reasons=[])
+        self._check_prompts(prompts, params.max_tokens)
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        mask = torch.zeros(batch, width, dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left padding: every row's next token is in the last column
+            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0
+
+        generator = torch.Generator(self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        stop_ids = torch.tensor(
+            sorted(self.eos_token_ids | set(params.stop_token_ids)), dtype=torch.long, device=self.device
+        )
+
+        tokens = torch.empty(batch, params.max_tokens, dtype=torch.long, device=self.device)
+        log_probs = torch.empty(batch, params.max_tokens, dtype=torch.float32, device=self.device)
+        lengths = torch.full((batch,), params.max_tokens, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        cache = DynamicCache(config=self.config)
+        for step in range(params.max_tokens):
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            token, log_prob = _sample(logits.float(), params, generator)
+            tokens[:, step], log_probs[:, step] = token, log_prob
+            # finished rows go on decoding (keeps the batch rectangular); their tail is cut below
+            newly = ~stopped & torch.isin(token, stop_ids)
+            lengths[newly] = step + 1
+            stopped |= newly
+            if bool(stopped.all()):
+                break
+            input_ids = token[:, None]
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            positions = positions[:, -1:] + 1
+
+        lengths = lengths.tolist()
+        return Generation(
+            token_ids=[row[:n] for row, n in zip(tokens.tolist(), lengths)],
+            log_probs=[row[:n] for row, n in zip(log_probs.tolist(), lengths)],
+            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+        )
+
+    def _check_prompts(self, prompts: list[list[int]], max_tokens: int) -> None:
+        check_prompts(prompts, max_tokens, self.config.vocab_size, self.config.max_position_embeddings,
+                      "model's max_position_embeddings")
+
+    # -- colocated mode -----------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Give the device memory to the trainer: weights go to the host (on the CPU there is nothing
+        to move). ``load_weights`` works while asleep and writes the host copies; ``generate`` does not."""
+        if self._asleep:
+            return
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.accelerator.empty_cache()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if not self._asleep:
+            return
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+        self._asleep = False
+
+
+
+def _hub_slots(model: Qwen3MoeForCausalLM) -> dict[str, _Slot]:
+    """Every Hub tensor name the model needs, in model order. Tied weights appear once (as
+    ``named_parameters`` lists them), as on the Hub."""
+    slots = {}
+    for name, param in model.named_parameters():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            slots[name] = _Slot(name, (), tuple(param.shape))
+        elif m[2] == "gate_up_proj":
+            experts, two_i, hidden = param.shape
+            i = two_i // 2
+            for e in range(experts):
+                slots[f"{m[1]}.{e}.gate_proj.weight"] = _Slot(name, (e, slice(0, i)), (i, hidden))
+                slots[f"{m[1]}.{e}.up_proj.weight"] = _Slot(name, (e, slice(i, two_i)), (i, hidden))
+        else:
+            experts, hidden, i = param.shape
+            for e in range(experts):
+                slots[f"{m[1]}.{e}.down_proj.weight"] = _Slot(name, (e,), (hidden, i))
+    return slots
+
+
+def _eos_token_ids(model: Qwen3MoeForCausalLM) -> set[int]:
+    """The config's EOS ids and the generation config's (Qwen3 lists a second one only there)."""
+    ids = set()
+    for source in (model.config, model.generation_config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    return ids
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+    """One token per row of float32 ``logits`` [B, V], and its log-prob (see the module doc)."""
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        log_probs = logits.log_softmax(-1)
+    else:
+        scaled = logits / params.temperature
+        log_probs = scaled.log_softmax(-1)
+        # vLLM's order: top-k, then top-p on what top-k kept
+        if params.top_k != -1 and params.top_k < scaled.shape[-1]:
+            kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if params.top_p < 1:
+            ordered, order = scaled.sort(dim=-1, descending=True)
+            probs = ordered.softmax(-1)
+            # drop a token once the more likely ones already hold top_p (the most likely always stays)
+            drop = (probs.cumsum(-1) - probs) >= params.top_p
+            scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        token = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+    return token, log_probs.gather(-1, token[:, None])[:, 0]

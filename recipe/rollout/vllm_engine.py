@@ -1,0 +1,809 @@
+"""The rollout engine on vLLM (CUDA) or vLLM-Ascend (NPU), colocated with the Megatron trainer.
+
+Every training rank is also a vLLM rank, in the same process: vLLM runs in its "external launcher"
+mode (SPMD, as in verl's and slime's colocated rollout), joins the torch.distributed job the trainer
+started, and takes turns with the trainer for the device memory through sleep mode. Written against
+vllm 0.11.0 with vllm-ascend 0.11.0rc1; see docs/rollout.md ("vLLM and vLLM-Ascend engine").
+
+The pure functions (``engine_args``, ``rollout_env`` / ``ascend_env``, ``vllm_sampling_kwargs``,
+``to_generation``, ``hub_tensor_shapes``, ...) do not import vllm, so they are tested without it;
+``VLLMEngine`` imports vllm in its constructor.
+
+API facts relied on (vllm-project/vllm, vllm-project/vllm-ascend; versions as noted):
+
+- ``LLM(..., distributed_executor_backend="external_launcher")``: one worker per process, ranks from
+  ``RANK`` / ``LOCAL_RANK`` and ``env://``; ParallelConfig then sets VLLM_ENABLE_V1_MULTIPROCESSING=0
+  so the engine core runs in-process (vllm/config/parallel.py; examples/offline_inference/
+  torchrun_example.py). ``data_parallel_size`` with external_launcher: PR #24899 (Sept 2025, before
+  0.11.0); prompts are split over DP ranks by the caller (examples/offline_inference/
+  torchrun_dp_example.py, which also documents the model path
+  ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model``).
+- All ranks of one engine must sample alike, so they need the same seed (torchrun_dp_example.py).
+- ``enable_sleep_mode=True``; ``LLM.sleep(level=1)`` offloads weights to host memory and discards the
+  KV cache, level 2 discards both; ``LLM.wake_up(tags=["weights"] | ["kv_cache"] | None)`` (vLLM docs
+  features/sleep_mode; vllm-ascend docs user_guide/feature_guide/sleep_mode, v0.11.0).
+- ``load_format="dummy"``: random weights at start, the first sync gives the real ones (verl).
+- ``logprobs_mode``: "raw_logprobs" (default: before temperature and any processing) or
+  "processed_logprobs" (after temperature, penalties and top-k/top-p), vLLM PR #21398 and #22387,
+  vllm/v1/sample/sampler.py (0.10.2+). With all-greedy batches the processed log-probs are
+  log_softmax(logits) (no temperature).
+- ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob; ``CompletionOutput`` has
+  ``token_ids``, ``logprobs`` (per position ``{token_id: Logprob(logprob=...)}``) and
+  ``finish_reason`` ("stop" | "length" | "abort"); stop / EOS tokens stay in ``token_ids``.
+- ``Qwen3MoeForCausalLM.load_weights(iterable)`` takes HF names (per-expert gate/up/down_proj),
+  writes each tensor into its parameter as it arrives and returns the set of loaded parameter names;
+  experts not local to this EP rank are skipped (FusedMoE weight_loader ``return_success``); an
+  unknown name raises (KeyError in Qwen3MoeModel, ValueError in AutoWeightsLoader)
+  (vllm/model_executor/models/qwen3_moe.py, models/utils.py).
+- FusedMoE's ``w13_weight`` / ``w2_weight`` can lose their ``weight_loader`` attribute once
+  ``process_weights_after_loading`` has run; verl re-attaches ``experts.weight_loader`` before every
+  sync (verl/utils/vllm/patch.py, patch_vllm_moe_model_weight_loader).
+- vllm-ascend 0.11: AscendUnquantizedFusedMoEMethod transposes w13/w2 once after the first load
+  (a ``transpose`` flag) and AscendFusedMoE's ``_load_w13`` / ``_load_w2`` transpose later HF tensors
+  to match (``transpose_weight``, vllm-ascend PR #2756, Sept 2025); MindSpeed-RL's verl patch calls
+  ``vllm.model_executor.model_loader.utils.process_weights_after_loading(model, model_config,
+  device)`` after each sync on NPU (verl_npu/patch/verl/d62da4950/vllm_rollout_spmd.patch).
+- vllm-ascend's NPUWorker.wake_up refuses VLLM_ASCEND_ENABLE_NZ=1 ("FRACTAL_NZ mode is enabled ...
+  Please set VLLM_ASCEND_ENABLE_NZ=0", vllm_ascend/worker/worker_v1.py, 0.11 era).
+- Sleep mode's memory pool does not work with ``expandable_segments:True`` (vLLM 0.11's
+  CuMemAllocator asserts; vllm-ascend sleep then frees nothing, ms-swift #6636).
+- vllm-ascend 0.11's NPU model runner builds ``AscendSampler()`` without the configured
+  ``logprobs_mode`` (vllm_ascend/worker/model_runner_v1.py; cf. vllm-ascend PR #8643), so on NPU
+  the log-probs may be raw ones: the engine reads the sampler's mode and warns (``logprobs_mode``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import random
+import re
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from megatron_bridge.errors import ConfigError
+from megatron_bridge.layout import RolloutParallel
+from megatron_bridge.model_spec import load_hf_config, spec_from_hf_dict
+from recipe.rollout.base import Generation, LoadStats, SamplingParams, WeightLoadError, WeightStream, check_prompts
+
+logger = logging.getLogger(__name__)
+
+PLATFORMS = ("cuda", "npu")
+VLLM_VERSION, VLLM_ASCEND_VERSION = "0.11.0", "0.11.0rc1"
+INSTALL = {
+    "cuda": f"pip install -e '.[gpu]' (the gpu extra installs vllm; written against vllm=={VLLM_VERSION})",
+    "npu": (
+        f"pip install vllm=={VLLM_VERSION} vllm-ascend=={VLLM_ASCEND_VERSION} (the pair in vllm-ascend's "
+        "version table; follow its installation guide for the CANN and torch_npu it needs)"
+    ),
+}
+LOGPROBS_MODE = "processed_logprobs"  # see the module doc and docs/rollout.md
+TAGS = ("weights", "kv_cache")  # vLLM's sleep-mode memory tags, woken in this order
+_PARTIAL = (
+    "; vLLM had already written the tensors streamed before it, so the rollout weights are now a mix: "
+    "load a complete stream again before generating"
+)
+_SHOWN = 5  # names listed in an error
+
+
+class VLLMNotInstalledError(ImportError):
+    """vllm (or vllm-ascend on NPU) is not installed; the message says what to install."""
+
+
+# -- configuration (pure) -----------------------------------------------------------------------
+
+
+def check_rollout_parallel(rollout: RolloutParallel, world_size: int | None = None) -> None:
+    """vLLM's rules for a colocated rollout layout; raises ConfigError naming the YAML keys."""
+    keys = "actor_rollout_ref.rollout"
+    for key, value in (("tensor_model_parallel_size", rollout.tp), ("data_parallel_size", rollout.dp),
+                       ("expert_parallel_size", rollout.ep), ("max_num_seqs", rollout.max_num_seqs)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{keys}.{key}={value!r} must be a positive integer")
+    if not 0 < rollout.gpu_memory_utilization < 1:
+        raise ConfigError(f"{keys}.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1)")
+    tp_dp = rollout.tp * rollout.dp
+    if rollout.ep not in (1, tp_dp):
+        raise ConfigError(
+            f"{keys}.expert_parallel_size={rollout.ep}: vLLM runs MoE layers either with expert parallel, "
+            f"where EP = {keys}.tensor_model_parallel_size x {keys}.data_parallel_size = {rollout.tp} x "
+            f"{rollout.dp} = {tp_dp}, or without it (expert_parallel_size=1: experts tensor-sharded over "
+            f"TP x DP); set expert_parallel_size to {tp_dp} or 1"
+        )
+    if world_size is not None and tp_dp != world_size:
+        raise ConfigError(
+            f"colocated rollout: {keys}.tensor_model_parallel_size x {keys}.data_parallel_size = "
+            f"{rollout.tp} x {rollout.dp} = {tp_dp} must equal the world size {world_size} (every training "
+            "rank is a vLLM rank)"
+        )
+
+
+def engine_args(
+    model_path: str,
+    rollout: RolloutParallel,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    max_num_seqs: int | None = None,
+    seed: int = 0,
+    enable_sleep_mode: bool = True,
+    enforce_eager: bool = False,
+    load_format: str = "dummy",
+    skip_tokenizer_init: bool = True,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for one colocated rank (vLLM 0.11 names).
+
+    ``extra`` is merged last (its None values dropped), as verl's ``engine_kwargs.vllm``.
+    """
+    check_rollout_parallel(rollout)
+    kwargs: dict[str, Any] = {
+        "model": str(model_path),
+        # SPMD: this process is one vLLM rank; torch.distributed is the trainer's.
+        "distributed_executor_backend": "external_launcher",
+        "tensor_parallel_size": rollout.tp,
+        "data_parallel_size": rollout.dp,
+        # EP on: each of the TP x DP ranks owns whole experts; off: experts tensor-sharded over TP x DP.
+        "enable_expert_parallel": rollout.ep > 1,
+        "dtype": dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+        "gpu_memory_utilization": rollout.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization,
+        "max_num_seqs": rollout.max_num_seqs if max_num_seqs is None else max_num_seqs,
+        # one seed on every rank, as vLLM's torchrun examples ask (the engine draws its samples
+        # from its own per-DP-rank stream, see VLLMEngine)
+        "seed": seed,
+        "enable_sleep_mode": enable_sleep_mode,
+        "enforce_eager": enforce_eager,
+        # random weights at start; the first load_weights brings the trainer's
+        "load_format": load_format,
+        # log-probs after temperature (and top-k/top-p): see docs/rollout.md
+        "logprobs_mode": LOGPROBS_MODE,
+        # prompts and responses are token ids; a model dir without a tokenizer needs True
+        # (VLLMEngine passes True only then: vLLM 0.10.0 broke it, vllm issue #21846)
+        "skip_tokenizer_init": skip_tokenizer_init,
+        # NCCL / HCCL all-reduce only, as verl's colocated rollout sets it
+        "disable_custom_all_reduce": True,
+        "disable_log_stats": True,
+    }
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    kwargs.update({k: v for k, v in (extra or {}).items() if v is not None})
+    return kwargs
+
+
+def stream_seed(seed: int, rank: int, tp: int) -> int:
+    """The seed of global ``rank``'s sampling stream: equal within a TP group (vLLM puts TP
+    innermost, so the group is ``rank // tp``), different between DP ranks, whose prompts may repeat
+    each other's (the recipe's groups)."""
+    return seed + rank // tp
+
+
+_MASK = (1 << 63) - 1
+
+
+def request_seed(seed: int | None, index: int, stream: int = 0) -> int | None:
+    """A per-request seed from the call's seed, the request's index and the engine's stream (its DP
+    rank): repeated prompts (the recipe's groups) get different samples, the same call the same."""
+    if seed is None:
+        return None
+    x = (seed * 0x9E3779B97F4A7C15 + stream * 0xC2B2AE3D27D4EB4F + index * 0xBF58476D1CE4E5B9) & _MASK
+    x ^= x >> 31
+    return (x * 0x94D049BB133111EB) & _MASK
+
+
+def vllm_sampling_kwargs(
+    params: SamplingParams, *, eos_token_ids: Sequence[int] = (), index: int = 0, stream: int = 0
+) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for request ``index`` (one response per prompt)."""
+    return {
+        "n": 1,  # the recipe repeats prompts itself
+        "temperature": params.temperature,  # 0: greedy
+        "top_p": params.top_p,
+        "top_k": params.top_k,  # -1 (and 0 in vLLM >= 0.10.2): off
+        "max_tokens": params.max_tokens,
+        "seed": request_seed(params.seed, index, stream),
+        # the model's EOS ids explicitly: without a tokenizer vLLM only knows generation_config's
+        "stop_token_ids": sorted(set(params.stop_token_ids) | set(eos_token_ids)),
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": False,
+    }
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_path: str) -> bool:
+    """Whether the model directory has tokenizer files vLLM could load."""
+    return any(os.path.isfile(os.path.join(model_path, f)) for f in _TOKENIZER_FILES)
+
+
+def model_eos_token_ids(model_path: str) -> set[int]:
+    """EOS ids of config.json and generation_config.json (Qwen3 lists a second one only there)."""
+    ids: set[int] = set()
+    for file in ("config.json", "generation_config.json"):
+        path = os.path.join(model_path, file)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+    return ids
+
+
+# -- output conversion (pure) -------------------------------------------------------------------
+
+
+def _sampled_log_prob(step: Any, token: int, where: str) -> float:
+    try:
+        entry = step[token]
+    except (KeyError, IndexError, TypeError) as e:
+        raise RuntimeError(f"{where}: vLLM's log-probs lack the sampled token {token}") from e
+    return float(getattr(entry, "logprob", entry))
+
+
+def to_generation(outputs: Sequence[Any], prompts: Sequence[Sequence[int]] | None = None) -> Generation:
+    """``Generation`` from vLLM's ``RequestOutput`` list (``.prompt_token_ids``, ``.outputs[0]`` with
+    ``.token_ids``, ``.logprobs``, ``.finish_reason``), checking order and completeness."""
+    if prompts is not None and len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+    token_ids, log_probs, reasons = [], [], []
+    for i, out in enumerate(outputs):
+        got = getattr(out, "prompt_token_ids", None)
+        if prompts is not None and got is not None and list(got) != list(prompts[i]):
+            raise RuntimeError(f"vLLM output {i} belongs to another prompt (outputs out of prompt order)")
+        if len(out.outputs) != 1:
+            raise RuntimeError(f"request {i}: {len(out.outputs)} completions, expected 1 (n=1)")
+        completion = out.outputs[0]
+        ids = [int(t) for t in completion.token_ids]
+        steps = completion.logprobs
+        if steps is None:
+            raise RuntimeError(f"request {i}: no log-probs (SamplingParams.logprobs must be 0)")
+        if len(steps) != len(ids):
+            raise RuntimeError(f"request {i}: {len(steps)} log-prob entries for {len(ids)} tokens")
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"request {i} finished with {completion.finish_reason!r}, not 'stop' or 'length'")
+        token_ids.append(ids)
+        log_probs.append([_sampled_log_prob(step, t, f"request {i} token {k}") for k, (step, t) in enumerate(zip(steps, ids))])
+        reasons.append(completion.finish_reason)
+    return Generation(token_ids=token_ids, log_probs=log_probs, finish_reasons=reasons)
+
+
+# -- weights (pure) -----------------------------------------------------------------------------
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERTS_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")
+
+
+def hub_tensor_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen3-MoE Hub checkpoint (per-expert names) with its full shape, from config.json."""
+    s = spec_from_hf_dict(hf_config, name="rollout", source="config.json")
+    h, q, kv, e_ffn = s.hidden_size, s.q_dim, s.kv_dim, s.moe_ffn_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h)}
+    for layer in range(s.num_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (s.head_dim,),
+            p + "self_attn.k_norm.weight": (s.head_dim,),
+            p + "mlp.gate.weight": (s.num_experts, h),
+        })
+        if hf_config.get("attention_bias"):
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        for e in range(s.num_experts):
+            shapes.update({
+                f"{p}mlp.experts.{e}.gate_proj.weight": (e_ffn, h),
+                f"{p}mlp.experts.{e}.up_proj.weight": (e_ffn, h),
+                f"{p}mlp.experts.{e}.down_proj.weight": (h, e_ffn),
+            })
+    shapes["model.norm.weight"] = (h,)
+    if not s.tie_word_embeddings:
+        shapes["lm_head.weight"] = (s.vocab_size, h)
+    return shapes
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
+
+
+class CheckedStream:
+    """Passes a weight stream through while checking each (name, tensor) against the Hub shapes
+    before vLLM sees it, and counts tensors and bytes. ``current`` is the name last handed on."""
+
+    def __init__(self, weights: WeightStream, expected: Mapping[str, tuple[int, ...]]):
+        self._items = iter(weights)
+        self.expected = expected
+        self.seen: set[str] = set()
+        self.tensors = 0
+        self.bytes = 0
+        self.current: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def _fail(self, what: str) -> WeightLoadError:
+        return WeightLoadError(what + (_PARTIAL if self.tensors else " (nothing was written)"))
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        name, tensor = next(self._items)
+        if name not in self.expected:
+            raise self._fail(f"unexpected tensor {name!r}: not a weight of this model (Hub names expected)")
+        if name in self.seen:
+            raise self._fail(f"tensor {name!r} appears twice in the stream")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise self._fail(f"tensor {name!r} is not a floating-point torch.Tensor ({type(tensor).__name__})")
+        if tuple(tensor.shape) != self.expected[name]:
+            raise self._fail(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {self.expected[name]}"
+            )
+        self.seen.add(name)
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.current = name
+        return name, tensor
+
+    def missing_dense(self) -> list[str]:
+        """Non-expert tensors the stream lacked (every rank receives all of them)."""
+        return [n for n in self.expected if n not in self.seen and not _EXPERT.match(n)]
+
+
+def local_experts(model: torch.nn.Module) -> dict[int, list[int]] | None:
+    """layer -> global ids of the experts this rank holds, from each FusedMoE's ``expert_map``
+    (global -> local index, -1 elsewhere; None without expert parallel, when the rank holds a
+    slice of every expert). Layers whose holding cannot be read are left out, and None is returned
+    when no layer can be read (an unknown layout: the check is skipped)."""
+    found: dict[int, list[int]] = {}
+    for name, module in model.named_modules():
+        m = _EXPERTS_MODULE.match(name)
+        if m is None:
+            continue
+        emap = getattr(module, "expert_map", None)
+        total, local = getattr(module, "global_num_experts", None), getattr(module, "local_num_experts", None)
+        if emap is not None:
+            found[int(m[1])] = [g for g, index in enumerate(torch.as_tensor(emap).tolist()) if index >= 0]
+        elif total and (local is None or local == total):
+            found[int(m[1])] = list(range(int(total)))
+    return found or None
+
+
+def missing_local_experts(experts: Mapping[int, list[int]], seen: set[str]) -> list[str]:
+    """Hub names of this rank's experts that the stream lacked."""
+    return [
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+        for layer, ids in sorted(experts.items())
+        for e in ids
+        for proj in ("gate_proj", "up_proj", "down_proj")
+        if f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" not in seen
+    ]
+
+
+def reattach_moe_weight_loaders(model: torch.nn.Module) -> int:
+    """Give FusedMoE's w13_weight / w2_weight their module's ``weight_loader`` where
+    ``process_weights_after_loading`` replaced the Parameter and dropped it (as verl does). Returns
+    how many were re-attached."""
+    count = 0
+    for module in model.modules():
+        loader = getattr(module, "weight_loader", None)
+        if not callable(loader):
+            continue
+        for pname in ("w13_weight", "w2_weight"):
+            param = module._parameters.get(pname) if hasattr(module, "_parameters") else None
+            if param is not None and not hasattr(param, "weight_loader"):
+                param.weight_loader = loader
+                count += 1
+    return count
+
+
+def unwrap_model(model: Any) -> torch.nn.Module:
+    """The nn.Module behind vLLM's CUDAGraphWrapper / vllm-ascend's ACLGraphWrapper (``.runnable``)."""
+    for _ in range(4):
+        if isinstance(model, torch.nn.Module) or getattr(model, "runnable", None) is None:
+            break
+        model = model.runnable
+    if not isinstance(model, torch.nn.Module):
+        raise RuntimeError(f"vLLM's model_runner.model is a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def find_model_runner(llm: Any) -> Any:
+    """This rank's model runner in a colocated (in-process) vLLM 0.11 V1 engine."""
+    engine = llm.llm_engine
+    executors = [getattr(engine, "model_executor", None)]  # V1 LLMEngine sets it when not multiprocessing
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
+    executors.append(getattr(core, "model_executor", None))
+    for executor in executors:
+        worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+        runner = getattr(worker, "model_runner", None)
+        if runner is not None:
+            return runner
+    raise RuntimeError(
+        "cannot reach vLLM's model runner at llm.llm_engine.model_executor.driver_worker.worker.model_runner: "
+        "the engine is not in-process (external_launcher sets VLLM_ENABLE_V1_MULTIPROCESSING=0) or the vLLM "
+        f"version is not the {VLLM_VERSION} this engine is written for"
+    )
+
+
+def effective_logprobs_mode(sampler: Any) -> str | None:
+    """The log-prob mode the runner's sampler really uses (its top-k/top-p sampler's if different)."""
+    mode = getattr(sampler, "logprobs_mode", None)
+    inner = getattr(getattr(sampler, "topk_topp_sampler", None), "logprobs_mode", None)
+    mode, inner = (str(getattr(m, "value", m)) if m is not None else None for m in (mode, inner))
+    if mode is not None and inner is not None and inner != mode:
+        return f"{mode} (top-k/top-p sampler: {inner})"
+    return mode
+
+
+# -- environment (pure) -------------------------------------------------------------------------
+
+
+def rollout_env(platform: str) -> dict[str, str]:
+    """Environment variables the colocated rollout needs, set before vllm is imported."""
+    env = {
+        # external_launcher needs the engine core in this process (ParallelConfig sets it too)
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    if platform == "npu":
+        env.update({
+            # the V1 engine (vllm-ascend 0.11 has no other)
+            "VLLM_USE_V1": "1",
+            # weights in ND format: the trainer's tensors are written in place, and vllm-ascend's
+            # wake_up refuses NZ; verl forces 0 (VLLM_ENABLE_MC2 is deliberately absent: vllm-ascend
+            # removed it in June 2025, PR #1229, and picks MC2 itself)
+            "VLLM_ASCEND_ENABLE_NZ": "0",
+            # HCCL picks free ports itself, so the trainer's and vLLM's communicators on one NPU do
+            # not collide (verl's runtime_env.yaml)
+            "HCCL_HOST_SOCKET_PORT_RANGE": "auto",
+            "HCCL_NPU_SOCKET_PORT_RANGE": "auto",
+        })
+    return env
+
+
+def ascend_env() -> dict[str, str]:
+    """``rollout_env("npu")``: what rollout on Ascend needs (see the comments there)."""
+    return rollout_env("npu")
+
+
+@dataclass
+class EnvReport:
+    set: dict[str, str] = field(default_factory=dict)  # variables this call set
+    kept: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (user's value, ours)
+
+
+def apply_env(wanted: Mapping[str, str], environ: Any = None) -> EnvReport:
+    """Set ``wanted`` in ``environ`` (os.environ by default) except where the user set a value."""
+    environ = os.environ if environ is None else environ
+    report = EnvReport()
+    for name, value in wanted.items():
+        if name not in environ:
+            environ[name] = value
+            report.set[name] = value
+        elif environ[name] != value:
+            report.kept[name] = (environ[name], value)
+    return report
+
+
+@dataclass
+class EnvCheck:
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_env(platform: str, environ: Mapping[str, str], enable_sleep_mode: bool = True) -> EnvCheck:
+    """Settings that break the colocated rollout (errors) or do nothing (warnings)."""
+    out = EnvCheck()
+    alloc = "PYTORCH_NPU_ALLOC_CONF" if platform == "npu" else "PYTORCH_CUDA_ALLOC_CONF"
+    conf = environ.get(alloc, "").replace(" ", "")
+    if enable_sleep_mode and "expandable_segments:True" in conf:
+        out.errors.append(
+            f"{alloc}={environ[alloc]!r}: vLLM's sleep mode allocates from a memory pool that does not work with "
+            "expandable_segments:True (CUDA: vLLM asserts; NPU: sleep frees nothing); remove it or set "
+            "expandable_segments:False"
+        )
+    if platform == "npu":
+        if environ.get("VLLM_ASCEND_ENABLE_NZ", "0") not in ("0", ""):
+            out.errors.append(
+                f"VLLM_ASCEND_ENABLE_NZ={environ['VLLM_ASCEND_ENABLE_NZ']!r}: weight sync needs the ND format "
+                "(vllm-ascend's wake_up refuses NZ); unset it or set 0"
+            )
+        if "VLLM_ENABLE_MC2" in environ:
+            out.warnings.append(
+                "VLLM_ENABLE_MC2 is set but vllm-ascend removed it in June 2025 (PR #1229); MC2 is chosen "
+                "automatically, the variable does nothing"
+            )
+    return out
+
+
+def check_launcher_env(environ: Mapping[str, str]) -> None:
+    """external_launcher reads the rank from RANK and the device from LOCAL_RANK (torchrun sets both)."""
+    missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    if missing:
+        raise RuntimeError(
+            f"{', '.join(missing)} not set: vLLM's external_launcher mode reads them as torchrun sets them"
+        )
+
+
+def require_vllm(platform: str) -> None:
+    """Raise VLLMNotInstalledError naming the install command if vllm (or vllm-ascend) is missing.
+    Looks the packages up without importing them (env variables must be set first)."""
+    if platform not in PLATFORMS:
+        raise ValueError(
+            f"VLLMEngine runs on {' or '.join(PLATFORMS)}, not {platform!r}; on the CPU use "
+            "recipe.rollout.hf_engine.HFEngine"
+        )
+    missing = [p for p in ("vllm",) + (("vllm_ascend",) if platform == "npu" else ()) if importlib.util.find_spec(p) is None]
+    if missing:
+        names = " and ".join(m.replace("_", "-") for m in missing)
+        raise VLLMNotInstalledError(f"VLLMEngine on {platform} needs {names}, which is not installed: {INSTALL[platform]}")
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+def _device_rng(platform: str) -> Any:
+    """The module whose get_rng_state / set_rng_state / manual_seed act on this rank's device."""
+    return torch.npu if platform == "npu" else torch.cuda
+
+
+@contextmanager
+def _preserved_rngs(device_rng: Any):
+    """Keep the trainer's RNG states: vLLM's worker reseeds torch, random and numpy at start."""
+    import numpy as np
+
+    states = torch.get_rng_state(), device_rng.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        device_rng.set_rng_state(states[1])
+        random.setstate(states[2])
+        np.random.set_state(states[3])
+
+
+class VLLMEngine:
+    """``recipe.rollout.base.RolloutEngine`` on vLLM / vLLM-Ascend, colocated with the trainer.
+
+    Every rank constructs it, after the trainer has started torch.distributed (torchrun's RANK,
+    LOCAL_RANK, ... in the environment) and activated the platform. The engine starts asleep (with
+    sleep mode on) and with random weights: ``load_weights`` the trainer's, ``wake_up``, then
+    ``generate``.
+
+    ``rollout`` gives TP / DP / EP, ``gpu_memory_utilization`` and ``max_num_seqs`` (the layout's
+    ``actor_rollout_ref.rollout``); the two keyword arguments of the same name override it.
+    ``engine_kwargs`` passes further ``vllm.LLM`` arguments. ``process_after_load`` runs vLLM's
+    ``process_weights_after_loading`` after each sync (default: on NPU, as MindSpeed-RL does).
+
+    Randomness: the ranks of one TP group must draw the same samples. With ``SamplingParams.seed``
+    each request gets its own seed (``request_seed``: from the seed, the request's index and the DP
+    rank); without it vLLM samples from the device's default generator, which the engine swaps for
+    its own stream (seeded per DP rank) during ``generate``, so the trainer's use of that generator
+    cannot make the TP ranks diverge, and generation does not move the trainer's RNG.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        rollout: RolloutParallel,
+        *,
+        platform: str | None = None,
+        dtype: str | torch.dtype = "bfloat16",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        max_num_seqs: int | None = None,
+        seed: int = 0,
+        enable_sleep_mode: bool = True,
+        sleep_level: int = 1,
+        enforce_eager: bool = False,
+        load_format: str = "dummy",
+        process_after_load: bool | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ):
+        if platform is None:
+            from megatron_bridge.platform import active
+
+            platform = active().name
+        require_vllm(platform)  # first, so a missing vLLM is the error one sees
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 (weights to host memory) or 2 (weights discarded), got {sleep_level}")
+        check_rollout_parallel(rollout)
+        self.platform, self.rollout, self.sleep_level = platform, rollout, sleep_level
+        self.enable_sleep_mode = enable_sleep_mode
+        self.model_path = os.fspath(model_path)
+        hf_config = load_hf_config(self.model_path)
+        self.expected = hub_tensor_shapes(hf_config)
+        self.vocab_size = int(hf_config["vocab_size"])
+        self.max_model_len = max_model_len or int(hf_config["max_position_embeddings"])
+        self.eos_token_ids = sorted(model_eos_token_ids(self.model_path))
+        self.process_after_load = platform == "npu" if process_after_load is None else process_after_load
+        self.not_updated: list[str] = []  # parameters the last load_weights left alone, per vLLM
+
+        # the environment, before vllm is imported
+        report = apply_env(rollout_env(platform))
+        for name, (user, ours) in report.kept.items():
+            logger.warning("rollout env: keeping %s=%r set by the user (the engine would set %r)", name, user, ours)
+        check = check_env(platform, os.environ, enable_sleep_mode)
+        for warning in check.warnings:
+            logger.warning("rollout env: %s", warning)
+        if check.errors:
+            raise RuntimeError("the environment breaks the colocated rollout:\n- " + "\n- ".join(check.errors))
+        if "vllm" in sys.modules and report.set:
+            logger.warning("vllm was imported before VLLMEngine set %s; they may come too late", ", ".join(report.set))
+        self.env = report
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: the trainer starts it first (megatron_bridge.platform."
+                "init_distributed), then every rank builds VLLMEngine"
+            )
+        check_launcher_env(os.environ)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        check_rollout_parallel(rollout, world)
+        self.stream = rank // rollout.tp  # this engine's DP rank, shared by its TP group
+
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        self._vllm, self._tokens_prompt = vllm, TokensPrompt
+        self.engine_kwargs = engine_args(
+            self.model_path, rollout, dtype=dtype, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs, seed=seed,
+            enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager, load_format=load_format,
+            skip_tokenizer_init=not has_tokenizer(self.model_path), extra=engine_kwargs,
+        )
+        self._rng = _device_rng(platform)
+        with _preserved_rngs(self._rng):
+            self.llm = vllm.LLM(**self.engine_kwargs)
+            self._rng.manual_seed(stream_seed(seed, rank, rollout.tp))
+            self._gen_rng_state = self._rng.get_rng_state()
+        self._asleep: set[str] = set()
+        # dummy weights are random: generate refuses until a complete load_weights
+        self._weights_valid = load_format != "dummy"
+
+        self.logprobs_mode = effective_logprobs_mode(getattr(find_model_runner(self.llm), "sampler", None))
+        if self.logprobs_mode != LOGPROBS_MODE:
+            logger.warning(
+                "vLLM's sampler reports logprobs_mode=%s, not %s: the rollout log-probs are then not "
+                "temperature-scaled (raw) or otherwise differ from recipe.rollout.base's definition; they "
+                "match the actor's only at temperature 1 without top-k/top-p (see docs/rollout.md)",
+                self.logprobs_mode, LOGPROBS_MODE,
+            )
+        if enable_sleep_mode:
+            self.sleep()  # give the memory back to the trainer until the first sync
+
+    # -- vLLM internals -----------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """vLLM's model on this rank (``...driver_worker.worker.model_runner.model``)."""
+        return unwrap_model(find_model_runner(self.llm).model)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: WeightStream) -> LoadStats:
+        """Write a stream of Hub-format tensors (full tensors, any float dtype and device) into vLLM.
+
+        vLLM's ``model.load_weights`` writes each tensor into its parameters as it arrives (sharding
+        it for this rank's TP / EP place; experts this rank does not hold are skipped), so there is
+        no second copy of the weights, and a stream that fails midway leaves a partial update:
+        unlike the CPU engine, which stages, the rollout weights are then a mix of old and new.
+        The engine remembers this and ``generate`` refuses until a complete stream has been loaded:
+        the caller re-syncs (runs the export again). Each tensor is checked against the Hub shapes
+        before vLLM sees it, so an unknown, duplicate or misshapen tensor stops the load at that
+        tensor; tensors missing at the end (dense ones, or this rank's experts) raise too.
+
+        While asleep, only the weights are woken (the KV cache stays freed: the lowest peak, as
+        verl orders it); ``wake_up`` wakes the rest. The prefix cache is reset afterwards (its KV
+        was computed with the old weights).
+        """
+        if "weights" in self._asleep:
+            self._wake(["weights"])
+        model = self.model
+        reattach_moe_weight_loaders(model)
+        stream = CheckedStream(weights, self.expected)
+        was_valid, self._weights_valid = self._weights_valid, False  # until the whole stream is in
+        try:
+            loaded = model.load_weights(stream)
+        except WeightLoadError:
+            if stream.tensors == 0:  # refused before vLLM saw a tensor: nothing changed
+                self._weights_valid = was_valid
+            raise
+        except Exception as e:  # vLLM's KeyError / ValueError / AssertionError for a tensor it rejects
+            raise WeightLoadError(
+                f"vLLM rejected the stream at or just before tensor {stream.current!r} ({type(e).__name__}: {e}){_PARTIAL}"
+            ) from e
+        missing = stream.missing_dense()
+        experts = local_experts(model)
+        if experts is not None:
+            missing += missing_local_experts(experts, stream.seen)
+        if missing:
+            raise WeightLoadError(f"the stream lacks {len(missing)} tensor(s) this rank needs: {_listed(missing)}{_PARTIAL}")
+        # vLLM returns the parameters it wrote; ours are checked above, so a gap here is vLLM's
+        # naming (e.g. a platform's extra parameters): reported, not fatal
+        self.not_updated = [n for n, _ in model.named_parameters() if n not in loaded] if loaded is not None else []
+        if self.not_updated:
+            logger.warning("vLLM reports %d parameter(s) not written by the sync: %s", len(self.not_updated), _listed(self.not_updated))
+        if self.process_after_load:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            device = next(model.parameters()).device
+            process_weights_after_loading(model, self.llm.llm_engine.vllm_config.model_config, device)
+        self.llm.reset_prefix_cache()
+        self._weights_valid = True
+        return LoadStats(tensors=stream.tensors, bytes=stream.bytes)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+        """One response per prompt, in order. A collective: the ranks of one TP group pass the same
+        prompts; with DP > 1 every DP rank calls it (with its own prompts, possibly none)."""
+        if self._asleep:
+            raise RuntimeError(f"engine is asleep ({', '.join(sorted(self._asleep))}); call wake_up() first")
+        if not self._weights_valid:
+            raise RuntimeError(
+                "vLLM holds no complete weights (random dummy weights, a level-2 sleep, or a load_weights that "
+                "failed midway): load_weights a complete stream first"
+            )
+        check_prompts(prompts, params.max_tokens, self.vocab_size, self.max_model_len, "engine's max_model_len")
+        if not prompts and self.rollout.dp == 1:
+            return Generation(token_ids=[], log_probs=[], finish_reasons=[])
+        sampling = [
+            self._vllm.SamplingParams(**vllm_sampling_kwargs(params, eos_token_ids=self.eos_token_ids, index=i, stream=self.stream))
+            for i in range(len(prompts))
+        ]
+        inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
+        trainer_state = self._rng.get_rng_state()
+        self._rng.set_rng_state(self._gen_rng_state)
+        try:
+            # with DP > 1 a rank without prompts still steps with the others (vLLM's dummy batches)
+            outputs = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False)
+        finally:
+            self._gen_rng_state = self._rng.get_rng_state()
+            self._rng.set_rng_state(trainer_state)
+        return to_generation(outputs, prompts)
+
+    # -- colocated mode -----------------------------------------------------------------------
+
+    def sleep(self, level: int | None = None) -> None:
+        """Give the device memory to the trainer: level 1 (the default ``sleep_level``) moves the
+        weights to host memory and frees the KV cache; level 2 frees both (the next
+        ``load_weights`` must then bring every weight)."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("sleep mode is off (enable_sleep_mode=False)")
+        level = self.sleep_level if level is None else level
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if set(TAGS) <= self._asleep:
+            return
+        if self._asleep:  # partly awake: vLLM sleeps the whole engine
+            self._wake([t for t in TAGS if t in self._asleep])
+        self.llm.sleep(level=level)
+        self._asleep = set(TAGS)
+        if level == 2:
+            self._weights_valid = False
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take the device memory back: ``tags`` from ("weights", "kv_cache"), all by default,
+        woken one at a time in that order."""
+        tags = list(TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {unknown}; vLLM's are {list(TAGS)}")
+        self._wake([t for t in TAGS if t in tags and t in self._asleep])
+
+    def _wake(self, tags: list[str]) -> None:
+        for tag in tags:
+            self.llm.wake_up(tags=[tag])
+            self._asleep.discard(tag)
