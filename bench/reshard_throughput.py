@@ -273,17 +273,9 @@ def report(rows: list[dict], command: str, repeats: int, load_before: float) -> 
 
 
 def _param_bytes() -> int:
-    c = MID_SIZE
-    h, i, e, layers = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"], c["num_hidden_layers"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    per_layer = (q + 2 * kv) * h + h * q + 2 * c["head_dim"] + 2 * h + e * h + e * 3 * h * i
-    return 2 * (layers * per_layer + 2 * c["vocab_size"] * h + h)
+    from megatron_bridge.model_spec import spec_from_hf_dict
 
-
-# Public per-rank bandwidths for the paper estimate (GB/s): verl's checkpoint engine measured 5.3 GB/s
-# effective for Qwen3-30B-A3B on 2x16 Ascend 910C over HCCL (shared/reference/ascend_runtime.md);
-# 25 GB/s is one 200 Gb/s RoCE port per NPU, the inter-node link of Atlas 800 servers.
-BANDWIDTHS = {"HCCL effective, measured by verl on 2x16 910C": 5.3, "200 Gb/s RoCE per NPU": 25.0}
+    return 2 * spec_from_hf_dict(MID_SIZE, name="mid-size", source=SCRIPT).total_params
 
 
 def paper_estimate(model: str = "qwen3_30b_a3b", layout_name: str = "qwen3_30b_a3b_2x16_a3") -> str:

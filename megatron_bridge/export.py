@@ -25,6 +25,7 @@ the consumer copies them before pulling the next item (every ``load_weights`` do
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import warnings
@@ -192,7 +193,7 @@ class WeightExporter:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if routing.world_size != world:
             raise ValueError(f"routing is for {routing.world_size} ranks, the job has {world}")
-        mine = sorted(_LocalPieces(chunks, spec).sources, key=_piece_key)
+        mine = list(_LocalPieces(chunks, spec).sources)
         everyone = [mine]
         if world > 1:
             everyone = [None] * world
@@ -219,15 +220,15 @@ class WeightExporter:
         self.stats = ExportStats()
 
     def _bytes(self, name: str) -> int:
-        return _numel(self.shapes[name]) * self.dtype.itemsize
+        return math.prod(self.shapes[name]) * self.dtype.itemsize
 
     def _check_coverage(self) -> None:
         """Every HF tensor's pieces tile it exactly (a missing shard is a bug, not a silent zero)."""
         for name, pieces in self.pieces.items():
             shape = self.shapes[name]
-            area = sum(_numel(self._piece_shape(p)) for p in pieces)
-            if area != _numel(shape):
-                raise RuntimeError(f"export plan: the shards of {name} cover {area} of its {_numel(shape)} elements")
+            area = sum(math.prod(self._piece_shape(p)) for p in pieces)
+            if area != math.prod(shape):
+                raise RuntimeError(f"export plan: the shards of {name} cover {area} of its {math.prod(shape)} elements")
 
     def _plan(self, holders: dict[Piece, list[int]]) -> list[_Bucket]:
         """Buckets in checkpoint order; for each, who sends which pieces to whom. Every rank computes
@@ -250,7 +251,7 @@ class WeightExporter:
                         if dst in owners:
                             continue
                         src = min(owners, key=lambda r: (load[r], r))
-                        load[src] += _numel(self._piece_shape(piece))
+                        load[src] += math.prod(self._piece_shape(piece))
                         if src == self.rank:
                             bucket.sends.setdefault(dst, []).append(piece)
                         if dst == self.rank:
@@ -295,14 +296,14 @@ class WeightExporter:
                 out[name] = local[whole]
             else:
                 assembled.append(name)
-        total = sum(_numel(self.shapes[n]) for n in assembled)
+        total = sum(math.prod(self.shapes[n]) for n in assembled)
         stats.max_bucket_bytes = max(stats.max_bucket_bytes, total * self.dtype.itemsize)
         if self._flat.numel() < total:
             self._flat = None  # free the smaller buffer before allocating the larger one
             self._flat = torch.empty(total, dtype=self.dtype)
         flat, offset = self._flat, 0
         for name in assembled:
-            n = _numel(self.shapes[name])
+            n = math.prod(self.shapes[name])
             out[name] = flat[offset : offset + n].view(self.shapes[name])
             offset += n
 
@@ -338,14 +339,3 @@ class WeightExporter:
             if span is not None:
                 shape[dim] = span[1] - span[0]
         return tuple(shape)
-
-
-def _piece_key(piece: Piece) -> tuple:
-    return checkpoint_order(piece.name), piece.rows or (0, 0), piece.cols or (0, 0)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -73,6 +73,23 @@ def hf_shape(spec: ModelSpec, hf_name: str) -> tuple[int, ...]:
     return (h,)  # the RMSNorm weights
 
 
+def hub_tensor_names(spec: ModelSpec) -> list[str]:
+    """Every tensor of a Qwen3-MoE checkpoint of this config as on the Hub (per-expert names), in
+    checkpoint order; ``hf_shape`` gives each one's shape."""
+    names = ["model.embed_tokens.weight"]
+    layer_tensors = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                     "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate")
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}."
+        names += [f"{prefix}{t}.weight" for t in layer_tensors]
+        names += [f"{prefix}mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts)
+                  for p in ("gate_proj", "up_proj", "down_proj")]
+    names.append("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
 @dataclass
 class LoadReport:
     tensors: int  # local parameters written

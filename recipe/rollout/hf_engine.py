@@ -144,7 +144,8 @@ class HFEngine:
             raise RuntimeError("engine is asleep; call wake_up() first")
         if not prompts:
             return Generation(token_ids=[], log_probs=[], finish_reasons=[])
-        self._check_prompts(prompts, params.max_tokens)
+        check_prompts(prompts, params.max_tokens, self.config.vocab_size, self.config.max_position_embeddings,
+                      "model's max_position_embeddings")
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         mask = torch.zeros(batch, width, dtype=torch.long)
@@ -196,10 +197,6 @@ class HFEngine:
             finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
         )
 
-    def _check_prompts(self, prompts: list[list[int]], max_tokens: int) -> None:
-        check_prompts(prompts, max_tokens, self.config.vocab_size, self.config.max_position_embeddings,
-                      "model's max_position_embeddings")
-
     # -- colocated mode -----------------------------------------------------------------------
 
     def sleep(self) -> None:
@@ -218,7 +215,6 @@ class HFEngine:
         if self.device.type != "cpu":
             self.model.to(self.device)
         self._asleep = False
-
 
 
 def _hub_slots(model: Qwen3MoeForCausalLM) -> dict[str, _Slot]:

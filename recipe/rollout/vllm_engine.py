@@ -70,6 +70,7 @@ import torch
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.layout import RolloutParallel
 from megatron_bridge.model_spec import load_hf_config, spec_from_hf_dict
+from megatron_bridge.load import hf_shape, hub_tensor_names
 from recipe.rollout.base import Generation, LoadStats, SamplingParams, WeightLoadError, WeightStream, check_prompts
 
 logger = logging.getLogger(__name__)
@@ -282,35 +283,8 @@ _EXPERTS_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")
 
 def hub_tensor_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Qwen3-MoE Hub checkpoint (per-expert names) with its full shape, from config.json."""
-    s = spec_from_hf_dict(hf_config, name="rollout", source="config.json")
-    h, q, kv, e_ffn = s.hidden_size, s.q_dim, s.kv_dim, s.moe_ffn_hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h)}
-    for layer in range(s.num_layers):
-        p = f"model.layers.{layer}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (s.head_dim,),
-            p + "self_attn.k_norm.weight": (s.head_dim,),
-            p + "mlp.gate.weight": (s.num_experts, h),
-        })
-        if hf_config.get("attention_bias"):
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-        for e in range(s.num_experts):
-            shapes.update({
-                f"{p}mlp.experts.{e}.gate_proj.weight": (e_ffn, h),
-                f"{p}mlp.experts.{e}.up_proj.weight": (e_ffn, h),
-                f"{p}mlp.experts.{e}.down_proj.weight": (h, e_ffn),
-            })
-    shapes["model.norm.weight"] = (h,)
-    if not s.tie_word_embeddings:
-        shapes["lm_head.weight"] = (s.vocab_size, h)
-    return shapes
+    spec = spec_from_hf_dict(hf_config, name="rollout", source="config.json")
+    return {name: hf_shape(spec, name) for name in hub_tensor_names(spec)}
 
 
 def _listed(names: Sequence[str]) -> str:
