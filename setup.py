@@ -1,6 +1,6 @@
 """moe-rl: GSPO/GRPO post-training of Qwen3-MoE on Megatron-Core (Ascend NPU, CUDA, or CPU for tests)."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # torch is deliberately unpinned: the NPU stack needs torch 2.7.1 (with torch_npu), the CPU
 # set-up in the README installs torch 2.13.0 first, and neither must be overridden here.
@@ -14,6 +14,7 @@ CORE = [
     "einops",
     "numpy",
     "tqdm",
+    "pyarrow",  # parquet datasets (verl's format)
 ]
 
 setup(
@@ -23,7 +24,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.12",
-    packages=["loss", "megatron_bridge", "recipe"],
+    packages=find_packages(include=["loss", "megatron_bridge", "recipe", "recipe.*"]),
     install_requires=CORE,
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],

@@ -188,6 +188,20 @@ def test_seed_fixes_the_sample_and_leaves_the_global_rng_alone(engine):
     assert first.finish_reasons == ["length"] * 3 and [len(t) for t in first.token_ids] == [24] * 3
 
 
+def test_request_ids_make_each_sample_independent_of_the_batch(engine):
+    """What the trainer relies on for DP invariance: request r's sample depends on (seed, r) only."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    together = engine.generate(PROMPTS, params, request_ids=[10, 11, 12])
+    apart = [engine.generate([p], params, request_ids=[10 + i]) for i, p in enumerate(PROMPTS)]
+    assert together.token_ids == [a.token_ids[0] for a in apart]
+    for got, alone in zip(together.log_probs, apart):
+        assert got == pytest.approx(alone.log_probs[0], abs=1e-5)
+    shifted = engine.generate(PROMPTS, params, request_ids=[11, 12, 13])
+    assert shifted.token_ids != together.token_ids
+    with pytest.raises(ValueError, match="2 request ids for 3 prompts"):
+        engine.generate(PROMPTS, params, request_ids=[1, 2])
+
+
 def test_stop_token_ends_the_response_with_it(engine):
     greedy = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10)).token_ids[0]
     stop = greedy[5]

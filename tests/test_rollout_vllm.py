@@ -26,7 +26,7 @@ from megatron_bridge.layout import RolloutParallel, load_layout
 from megatron_bridge.model_spec import load_hf_config
 from megatron_bridge.tiny_model import save_tiny_checkpoint, tiny_hf_model
 from recipe.rollout import vllm_engine as ve
-from recipe.rollout.base import Generation, SamplingParams, WeightLoadError, check_prompts
+from recipe.rollout.base import Generation, SamplingParams, WeightLoadError, check_prompts, request_seed
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROMPTS = [[5, 17, 300, 41], [9, 88, 7, 130, 250, 3, 61, 11, 400], [77]]
@@ -176,7 +176,7 @@ def test_sampling_params_map_to_vllm_kwargs():
         "top_p": 0.9,
         "top_k": 50,
         "max_tokens": 32,
-        "seed": ve.request_seed(3, 1, 4),
+        "seed": request_seed(3, 1, 4),
         "stop_token_ids": [2, 7, 151643],
         "logprobs": 0,
         "detokenize": False,
@@ -186,11 +186,11 @@ def test_sampling_params_map_to_vllm_kwargs():
 
 
 def test_request_seeds_differ_per_request_and_dp_rank_and_repeat_per_call():
-    seeds = {ve.request_seed(3, i, s) for i in range(64) for s in range(4)}
+    seeds = {request_seed(3, i, s) for i in range(64) for s in range(4)}
     assert len(seeds) == 256 and all(0 <= x < 2**63 for x in seeds)
-    assert ve.request_seed(3, 5, 1) == ve.request_seed(3, 5, 1)
-    assert ve.request_seed(3, 1, 0) != ve.request_seed(4, 0, 0)  # consecutive call seeds do not shift onto each other
-    assert ve.request_seed(None, 5, 1) is None
+    assert request_seed(3, 5, 1) == request_seed(3, 5, 1)
+    assert request_seed(3, 1, 0) != request_seed(4, 0, 0)  # consecutive call seeds do not shift onto each other
+    assert request_seed(None, 5, 1) is None
     # one sampling stream per TP group: ranks 0-3 and 4-7 with TP=4
     assert [ve.stream_seed(10, r, 4) for r in range(8)] == [10] * 4 + [11] * 4
 

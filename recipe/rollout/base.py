@@ -11,7 +11,7 @@ compared token by token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
@@ -40,6 +40,20 @@ class SamplingParams:
             raise ValueError(f"sampling top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"sampling max_tokens must be >= 1, got {self.max_tokens}")
+
+
+_MASK = (1 << 63) - 1
+
+
+def request_seed(seed: int | None, index: int, stream: int = 0) -> int | None:
+    """A per-request seed from the call's seed, the request's index and a stream (an engine's DP
+    rank, or 0 when the caller numbers requests globally): repeated prompts (the recipe's groups)
+    get different samples, the same call the same."""
+    if seed is None:
+        return None
+    x = (seed * 0x9E3779B97F4A7C15 + stream * 0xC2B2AE3D27D4EB4F + index * 0xBF58476D1CE4E5B9) & _MASK
+    x ^= x >> 31
+    return (x * 0x94D049BB133111EB) & _MASK
 
 
 def check_prompts(prompts: list[list[int]], max_tokens: int, vocab_size: int, max_len: int, limit: str) -> None:
@@ -71,7 +85,8 @@ class LoadStats:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 request_ids: Sequence[int] | None = None) -> Generation:
         """One response per prompt; a stop or EOS token that ended a response is its last token.
         With a parallel engine this is a collective: the ranks of one TP group pass the same
         prompts, and every DP rank calls it (with its own prompts, possibly none)."""

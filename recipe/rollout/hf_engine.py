@@ -24,6 +24,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from typing import Sequence
+
 import torch
 from transformers import (
     AutoConfig,
@@ -34,7 +36,15 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from recipe.rollout.base import Generation, LoadStats, SamplingParams, WeightLoadError, WeightStream, check_prompts
+from recipe.rollout.base import (
+    Generation,
+    LoadStats,
+    SamplingParams,
+    WeightLoadError,
+    WeightStream,
+    check_prompts,
+    request_seed,
+)
 
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _MISSING_SHOWN = 5  # missing names listed in a WeightLoadError
@@ -139,7 +149,11 @@ class HFEngine:
     # -- generation ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 request_ids: Sequence[int] | None = None) -> Generation:
+        """One response per prompt. With a seed, each request samples from its own generator
+        (seeded by the seed and its request id, default its index), so a response does not depend
+        on which other prompts share the batch or the engine."""
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
         if not prompts:
@@ -155,11 +169,14 @@ class HFEngine:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0
 
-        generator = torch.Generator(self.device)
         if params.seed is None:
-            generator.seed()
+            generators = [torch.Generator(self.device)]
+            generators[0].seed()
         else:
-            generator.manual_seed(params.seed)
+            ids = range(batch) if request_ids is None else request_ids
+            if len(ids) != batch:
+                raise ValueError(f"{len(ids)} request ids for {batch} prompts")
+            generators = [torch.Generator(self.device).manual_seed(request_seed(params.seed, i)) for i in ids]
         stop_ids = torch.tensor(
             sorted(self.eos_token_ids | set(params.stop_token_ids)), dtype=torch.long, device=self.device
         )
@@ -178,7 +195,7 @@ class HFEngine:
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            token, log_prob = _sample(logits.float(), params, generator)
+            token, log_prob = _sample(logits.float(), params, generators)
             tokens[:, step], log_probs[:, step] = token, log_prob
             # finished rows go on decoding (keeps the batch rectangular); their tail is cut below
             newly = ~stopped & torch.isin(token, stop_ids)
@@ -248,8 +265,9 @@ def _eos_token_ids(model: Qwen3MoeForCausalLM) -> set[int]:
     return ids
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-    """One token per row of float32 ``logits`` [B, V], and its log-prob (see the module doc)."""
+def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]):
+    """One token per row of float32 ``logits`` [B, V], and its log-prob (see the module doc).
+    ``generators``: one for the whole batch, or one per row."""
     if params.temperature == 0:
         token = logits.argmax(-1)
         log_probs = logits.log_softmax(-1)
@@ -266,5 +284,9 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
             # drop a token once the more likely ones already hold top_p (the most likely always stays)
             drop = (probs.cumsum(-1) - probs) >= params.top_p
             scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        token = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+        probs = scaled.softmax(-1)
+        if len(generators) == 1:
+            token = torch.multinomial(probs, 1, generator=generators[0])[:, 0]
+        else:
+            token = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
     return token, log_probs.gather(-1, token[:, None])[:, 0]

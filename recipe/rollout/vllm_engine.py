@@ -71,7 +71,15 @@ from megatron_bridge.errors import ConfigError
 from megatron_bridge.layout import RolloutParallel
 from megatron_bridge.model_spec import load_hf_config, spec_from_hf_dict
 from megatron_bridge.load import hf_shape, hub_tensor_names
-from recipe.rollout.base import Generation, LoadStats, SamplingParams, WeightLoadError, WeightStream, check_prompts
+from recipe.rollout.base import (
+    Generation,
+    LoadStats,
+    SamplingParams,
+    WeightLoadError,
+    WeightStream,
+    check_prompts,
+    request_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -183,19 +191,6 @@ def stream_seed(seed: int, rank: int, tp: int) -> int:
     innermost, so the group is ``rank // tp``), different between DP ranks, whose prompts may repeat
     each other's (the recipe's groups)."""
     return seed + rank // tp
-
-
-_MASK = (1 << 63) - 1
-
-
-def request_seed(seed: int | None, index: int, stream: int = 0) -> int | None:
-    """A per-request seed from the call's seed, the request's index and the engine's stream (its DP
-    rank): repeated prompts (the recipe's groups) get different samples, the same call the same."""
-    if seed is None:
-        return None
-    x = (seed * 0x9E3779B97F4A7C15 + stream * 0xC2B2AE3D27D4EB4F + index * 0xBF58476D1CE4E5B9) & _MASK
-    x ^= x >> 31
-    return (x * 0x94D049BB133111EB) & _MASK
 
 
 def vllm_sampling_kwargs(
@@ -720,9 +715,12 @@ class VLLMEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 request_ids: Sequence[int] | None = None) -> Generation:
         """One response per prompt, in order. A collective: the ranks of one TP group pass the same
-        prompts; with DP > 1 every DP rank calls it (with its own prompts, possibly none)."""
+        prompts; with DP > 1 every DP rank calls it (with its own prompts, possibly none).
+        ``request_ids`` (global numbers of the requests) make each request's sample independent of
+        which DP rank serves it."""
         if self._asleep:
             raise RuntimeError(f"engine is asleep ({', '.join(sorted(self._asleep))}); call wake_up() first")
         if not self._weights_valid:
@@ -734,7 +732,9 @@ class VLLMEngine:
         if not prompts and self.rollout.dp == 1:
             return Generation(token_ids=[], log_probs=[], finish_reasons=[])
         sampling = [
-            self._vllm.SamplingParams(**vllm_sampling_kwargs(params, eos_token_ids=self.eos_token_ids, index=i, stream=self.stream))
+            self._vllm.SamplingParams(**vllm_sampling_kwargs(
+                params, eos_token_ids=self.eos_token_ids,
+                **({"index": i, "stream": self.stream} if request_ids is None else {"index": request_ids[i]})))
             for i in range(len(prompts))
         ]
         inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]

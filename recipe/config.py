@@ -1,0 +1,632 @@
+"""The recipe config: YAML composition, command-line overrides, typed and validated.
+
+A recipe (``configs/recipe/*.yaml``) names two fragments and adds its own keys::
+
+    parallel: qwen3_30b_a3b_2x16_a3     # configs/parallel/<name>.yaml or a path
+    algo: gspo                          # configs/algo/<name>.yaml or a path
+    data: {...}
+    actor_rollout_ref: {...}
+
+Merge order, later wins (dicts merge deeply): the algo fragment, the parallel fragment, the
+recipe's own keys, then ``key.sub=value`` overrides (``parallel=`` / ``algo=`` overrides switch
+the fragment). Key names and meanings are verl's (``ppo_megatron_trainer.yaml``). The layout keys
+(``actor_rollout_ref.actor.megatron``, the rollout's parallel sizes, ``trainer.nnodes`` ...) are
+not duplicated here: they become ``RecipeConfig.layout`` through ``megatron_bridge.layout``.
+
+String values may refer to other keys as ``${trainer.project_name}`` (the run directory does).
+
+This module owns loading and checking: unknown keys (with the nearest known key), types, choices,
+verl's batch arithmetic, and the layout against the model with the planner's rules, each failure a
+``ConfigError`` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterable, Mapping
+
+import yaml
+
+from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, policy_loss_modes
+from megatron_bridge.actor import LR_DECAY_STYLES, OptimConfig
+from megatron_bridge.errors import ConfigError
+from megatron_bridge.layout import Layout, layout_from_dict, layout_to_dict
+from megatron_bridge.model_spec import ModelSpec, load_model_spec
+from megatron_bridge.plan import evaluate
+from megatron_bridge.tiny_model import TINY
+
+BUILTIN_TINY = "builtin:tiny"
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+ROLLOUT_ENGINE_FOR_DEVICE = {"cpu": "hf", "npu": "vllm", "cuda": "vllm"}
+_LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
+_DERIVED = "layout"  # the RecipeConfig field built from the layout keys, not a YAML key
+
+
+# ---- schema ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: list[str]  # parquet files, or "builtin:tiny"
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 8  # prompts per RL step
+    val_batch_size: int | None = None  # None: the whole validation set at once
+    truncation: str = "error"  # a prompt over max_prompt_length: error | left | right
+    filter_overlong_prompts: bool = False
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # HF checkpoint dir (weights + tokenizer) or "builtin:tiny"
+    config: str | None = None  # configs/model name or path for planning; None: path's config.json
+    dtype: str = "bfloat16"  # params dtype of actor and rollout
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n rows), verl's meaning
+    ppo_micro_batch_size_per_gpu: int = 1  # rows per forward/backward
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class ValKwargs:
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str = "auto"  # auto | hf | vllm; auto resolves to the device's engine at load
+    n: int = 1  # responses per prompt (the GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    log_prob_micro_batch_size_per_gpu: int = 8
+    update_weights_bucket_megabytes: int = 512
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    model: ModelConfig
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    grpo_epsilon: float = 1e-6  # added to the group's std before dividing
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment over the last ``len`` tokens of max_response_length."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass(frozen=True)
+class CustomRewardFunctionConfig:
+    path: str | None = None  # a .py file; None: the built-in scorer
+    name: str = "compute_score"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    project_name: str = "moe_rl"
+    experiment_name: str = "run"
+    total_training_steps: int = 10
+    save_freq: int = -1  # -1: never
+    test_freq: int = -1
+    val_before_train: bool = True
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: str | None = None
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"  # checkpoints, metrics.jsonl
+    max_actor_ckpt_to_keep: int = 2
+    logger: list[str] = field(default_factory=lambda: ["console"])  # jsonl is always written
+    seed: int = 1
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    data: DataConfig
+    actor_rollout_ref: ActorRolloutRefConfig
+    layout: Layout  # from the layout keys of the merged config; not a YAML key itself
+    parallel: str = "tiny_cpu"
+    algo: str = "gspo"
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ---- value rules (by dotted key; types come from the annotations) ----------------------------
+
+Rule = Callable[[Any], "str | None"]  # the requirement a bad value misses, None when it is fine
+
+
+def at_least(low: int | float) -> Rule:
+    return lambda v: None if v >= low else f"must be >= {low}"
+
+
+def greater_than(low: float) -> Rule:
+    return lambda v: None if v > low else f"must be > {low}"
+
+
+def in_unit_interval(v: float) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def top_k_rule(v: int) -> str | None:
+    return None if v == -1 or v >= 1 else "must be -1 (off) or >= 1"
+
+
+def freq_rule(v: int) -> str | None:
+    return None if v == -1 or v >= 1 else "must be -1 (never) or >= 1"
+
+
+def one_of(choices: Iterable[str] | Callable[[], Iterable[str]]) -> Rule:
+    """A choice rule; a callable is asked at check time (policy losses can be registered later)."""
+
+    def check(value: Any) -> str | None:
+        valid = tuple(choices() if callable(choices) else choices)
+        values = value if isinstance(value, list) else [value]
+        bad = [v for v in values if v not in valid]
+        return f"{bad[0]!r} is not a valid choice; choose from {', '.join(valid)}" if bad else None
+
+    return check
+
+
+POSITIVE = at_least(1)
+TRUNCATIONS = ("error", "left", "right")
+DTYPES = ("bfloat16", "float32")
+ROLLOUT_NAMES = ("auto", "hf", "vllm")
+RESUME_MODES = ("auto", "disable", "resume_path")
+LOGGERS = ("console", "jsonl", "tensorboard", "swanlab", "wandb")
+ADV_ESTIMATORS = ("grpo",)
+
+_ACTOR = "actor_rollout_ref.actor"
+_ROLLOUT = "actor_rollout_ref.rollout"
+RULES: dict[str, Rule] = {
+    "data.train_files": lambda v: None if v else "must name at least one file (or builtin:tiny)",
+    "data.max_prompt_length": POSITIVE,
+    "data.max_response_length": POSITIVE,
+    "data.train_batch_size": POSITIVE,
+    "data.val_batch_size": POSITIVE,
+    "data.truncation": one_of(TRUNCATIONS),
+    "actor_rollout_ref.model.dtype": one_of(DTYPES),
+    f"{_ACTOR}.ppo_mini_batch_size": POSITIVE,
+    f"{_ACTOR}.ppo_micro_batch_size_per_gpu": POSITIVE,
+    f"{_ACTOR}.ppo_epochs": POSITIVE,
+    f"{_ACTOR}.clip_ratio_low": at_least(0),
+    f"{_ACTOR}.clip_ratio_high": at_least(0),
+    f"{_ACTOR}.clip_ratio_c": greater_than(1),  # dual-clip bound on the ratio for negative advantages
+    f"{_ACTOR}.loss_agg_mode": one_of(LOSS_AGG_MODES),
+    f"{_ACTOR}.policy_loss.loss_mode": one_of(policy_loss_modes),
+    f"{_ACTOR}.kl_loss_coef": at_least(0),
+    f"{_ACTOR}.kl_loss_type": one_of(KL_PENALTY_TYPES),
+    f"{_ACTOR}.optim.lr": greater_than(0),
+    f"{_ACTOR}.optim.lr_warmup_steps": at_least(0),
+    f"{_ACTOR}.optim.lr_decay_style": one_of(LR_DECAY_STYLES),
+    f"{_ACTOR}.optim.lr_decay_steps": POSITIVE,
+    f"{_ACTOR}.optim.weight_decay": at_least(0),
+    f"{_ACTOR}.optim.clip_grad": greater_than(0),
+    f"{_ROLLOUT}.name": one_of(ROLLOUT_NAMES),
+    f"{_ROLLOUT}.n": POSITIVE,
+    f"{_ROLLOUT}.temperature": greater_than(0),  # the actor divides logits by it
+    f"{_ROLLOUT}.top_p": in_unit_interval,
+    f"{_ROLLOUT}.top_k": top_k_rule,
+    f"{_ROLLOUT}.log_prob_micro_batch_size_per_gpu": POSITIVE,
+    f"{_ROLLOUT}.update_weights_bucket_megabytes": POSITIVE,
+    f"{_ROLLOUT}.val_kwargs.n": POSITIVE,
+    f"{_ROLLOUT}.val_kwargs.temperature": at_least(0),  # 0: greedy
+    f"{_ROLLOUT}.val_kwargs.top_p": in_unit_interval,
+    f"{_ROLLOUT}.val_kwargs.top_k": top_k_rule,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": POSITIVE,
+    "algorithm.adv_estimator": one_of(ADV_ESTIMATORS),
+    "algorithm.grpo_epsilon": greater_than(0),
+    "reward_model.overlong_buffer.len": at_least(0),
+    "reward_model.overlong_buffer.penalty_factor": at_least(0),
+    "trainer.total_training_steps": POSITIVE,
+    "trainer.save_freq": freq_rule,
+    "trainer.test_freq": freq_rule,
+    "trainer.resume_mode": one_of(RESUME_MODES),
+    "trainer.max_actor_ckpt_to_keep": POSITIVE,
+    "trainer.logger": one_of(LOGGERS),
+}
+
+
+# ---- YAML and overrides ----------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML (YAML 1.1) reads ``1e-6`` and ``1.0e6`` as strings; read them as floats."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = yaml.load(f, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: Iterable[str]) -> dict:
+    """``["a.b=c", ...]`` -> ``{"a": {"b": c}}``, values read as YAML (``1e-6``, ``[a,b]``, ``null``)."""
+    out: dict = {}
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"override {arg!r}: expected key.sub=value, e.g. data.train_batch_size=16")
+        try:
+            value = yaml.load(text, Loader=_Loader)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {arg!r}: the value is not valid YAML: {e}") from e
+        for part in reversed(parts):
+            value = {part: value}
+        out = deep_merge(out, value)
+    return out
+
+
+def deep_merge(base: Mapping, top: Mapping) -> dict:
+    """``top`` over ``base``; mappings merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def shipped(kind: str) -> list[str]:
+    """Names of the YAMLs in configs/<kind>/ (kind: recipe, algo, parallel, model)."""
+    return sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(CONFIGS_DIR, kind)) if f.endswith(".yaml"))
+
+
+def resolve_path(kind: str, ref: str) -> str:
+    """A config file named by a path (relative to the current directory first) or a shipped name."""
+    shipped_dir = os.path.join(CONFIGS_DIR, kind)
+    for candidate in (ref, os.path.join(shipped_dir, ref), os.path.join(shipped_dir, f"{ref}.yaml")):
+        if os.path.isfile(candidate):
+            return candidate
+    raise ConfigError(f"{kind} {ref!r}: no such file or shipped {kind}; shipped: {', '.join(shipped(kind))}")
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def load_config(path: str, overrides: Iterable[str] = ()) -> RecipeConfig:
+    """Compose a recipe with its fragments and overrides, then type and validate it."""
+    path = resolve_path("recipe", path)
+    recipe = _read_yaml(path)
+    rest = parse_overrides(overrides)
+    refs = {}
+    for kind, default in (("algo", RecipeConfig.algo), ("parallel", RecipeConfig.parallel)):
+        ref = rest.pop(kind, recipe.pop(kind, default))
+        if not isinstance(ref, str):
+            raise ConfigError(f"{path}: {kind}={ref!r}: expected a shipped {kind} name or a path")
+        refs[kind] = ref
+    merged: dict = {}
+    for layer in (_read_yaml(resolve_path("algo", refs["algo"])),
+                  _read_yaml(resolve_path("parallel", refs["parallel"])), recipe, rest):
+        merged = deep_merge(merged, layer)
+    return config_from_dict({**merged, **refs}, name=path)
+
+
+def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
+    """Type and validate an already composed config (``name`` labels the errors: the file)."""
+    cfg = _build(data, name)
+    plain = config_to_dict(cfg)  # defaults filled in, so references to them resolve too
+    resolved = _interpolate(plain, name)
+    if resolved != plain:
+        cfg = _build(resolved, name)
+    cfg = _resolve_rollout_engine(cfg, name)
+    problems = _cross_checks(cfg) + _layout_problems(cfg, name)
+    if problems:
+        raise ConfigError(f"{name}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+    return cfg
+
+
+def config_to_dict(cfg: RecipeConfig) -> dict:
+    """The config in YAML key form, layout keys included (inverse of ``config_from_dict``)."""
+    data = {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg) if f.name != _DERIVED}
+    return deep_merge(data, layout_to_dict(cfg.layout))
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    return list(value) if isinstance(value, list) else value
+
+
+# ---- typing: dict -> dataclasses -------------------------------------------------------------
+
+
+def _build(data: Mapping[str, Any], name: str) -> RecipeConfig:
+    layout_part: dict = {}
+    values = _typed_fields(RecipeConfig, data, "", _LAYOUT_KEYS, layout_part, name)
+    layout = layout_from_dict(layout_part, name)
+    layout_name = os.path.basename(values.get("parallel", RecipeConfig.parallel)).removesuffix(".yaml")
+    return RecipeConfig(**values, layout=dataclasses.replace(layout, name=layout_name))
+
+
+def _join(key: str, sub: str) -> str:
+    return f"{key}.{sub}" if key else sub
+
+
+def _check_known(data: Any, known: list[str], key: str, name: str) -> None:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{name}: {key}={data!r}: expected a mapping of keys")
+    for sub in data:
+        if sub not in known:
+            near = difflib.get_close_matches(str(sub), known, n=1, cutoff=0.5)
+            hint = f"did you mean {_join(key, near[0])}?" if near else f"known keys here: {', '.join(known)}"
+            raise ConfigError(f"{name}: {_join(key, str(sub))}: unknown key; {hint}")
+
+
+def _typed_fields(cls, data: Any, key: str, layout_keys: Mapping, layout_out: dict, name: str) -> dict:
+    """The fields of ``cls`` from ``data``, typed and checked; layout keys go to ``layout_out``."""
+    data = {} if data is None else data
+    schema = {f.name: f for f in fields(cls) if f.name != _DERIVED}
+    _check_known(data, list(schema) + [k for k in layout_keys if k not in schema], key, name)
+    hints = typing.get_type_hints(cls)
+    for sub, value in data.items():
+        if sub not in schema:
+            layout_out[sub] = _layout_only(value, layout_keys[sub], _join(key, sub), name)
+    values = {}
+    for sub, f in schema.items():
+        sub_key, hint = _join(key, sub), hints[sub]
+        if sub in data:
+            value = data[sub]
+        elif dataclasses.is_dataclass(hint):
+            value = {}  # an absent section: its defaults, or an error naming its first required key
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{name}: {sub_key} is required; set it in the recipe or override {sub_key}=...")
+        else:
+            continue
+        if dataclasses.is_dataclass(hint):
+            nested_layout = layout_out.setdefault(sub, {}) if sub in layout_keys else {}
+            values[sub] = _construct(hint, value, sub_key, layout_keys.get(sub, {}), nested_layout, name)
+        else:
+            values[sub] = _coerce(value, hint, sub_key, name)
+    return values
+
+
+def _construct(cls, data: Any, key: str, layout_keys: Mapping, layout_out: dict, name: str):
+    values = _typed_fields(cls, data, key, layout_keys, layout_out, name)
+    try:
+        return cls(**values)
+    except ValueError as e:  # checks of classes owned elsewhere (OptimConfig)
+        raise ConfigError(f"{name}: {key}: {e}") from e
+
+
+def _layout_only(value: Any, layout_keys: Any, key: str, name: str) -> Any:
+    """A layout leaf as given, or a layout-only section checked key by key."""
+    if not isinstance(layout_keys, Mapping):
+        return value
+    _check_known({} if value is None else value, list(layout_keys), key, name)
+    return {sub: _layout_only(v, layout_keys[sub], _join(key, sub), name) for sub, v in (value or {}).items()}
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, name: str) -> Any:
+    args = typing.get_args(tp)
+    optional = isinstance(tp, types.UnionType) and type(None) in args
+    if optional:
+        tp = next(a for a in args if a is not type(None))
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}: {key}=null: expected {_type_name(tp)}; set a value or drop the key for the default")
+    if typing.get_origin(tp) is list:
+        items = [value] if isinstance(value, str) else value  # a single file or logger name
+        if not isinstance(items, list):
+            raise ConfigError(f"{name}: {key}={value!r}: expected a list of strings, e.g. [a, b]")
+        value = [_coerce(item, typing.get_args(tp)[0], f"{key}[{i}]", name) for i, item in enumerate(items)]
+    elif tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    elif not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{name}: {key}={value!r}: expected {_type_name(tp)}")
+    rule = RULES.get(key)
+    problem = rule(value) if rule else None
+    if problem:
+        raise ConfigError(f"{name}: {key}={value!r}: {problem}")
+    return value
+
+
+# ---- interpolation: ${dotted.key} in string values -------------------------------------------
+
+_REFERENCE = re.compile(r"\$\{([^}]*)\}")
+
+
+def _interpolate(data: dict, name: str) -> dict:
+    """``data`` with every ``${dotted.key}`` in a string replaced by that key's value."""
+
+    def lookup(ref: str, chain: tuple[str, ...]) -> Any:
+        if ref in chain:
+            raise ConfigError(f"{name}: {chain[0]}: ${{{ref}}} refers back to itself ({' -> '.join(chain + (ref,))})")
+        node: Any = data
+        for part in ref.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                raise ConfigError(f"{name}: {chain[-1]}: ${{{ref}}} names no config key; write a dotted key such as "
+                                  "${trainer.project_name}")
+            node = node[part]
+        if isinstance(node, (Mapping, list)):
+            raise ConfigError(f"{name}: {chain[-1]}: ${{{ref}}} is a section or list; refer to a single value")
+        return resolve(node, chain + (ref,))
+
+    def resolve(value: Any, chain: tuple[str, ...]) -> Any:
+        if not isinstance(value, str):
+            return value
+        return _REFERENCE.sub(lambda m: str(lookup(m.group(1), chain)), value)
+
+    def walk(node: Any, key: str) -> Any:
+        if isinstance(node, Mapping):
+            return {k: walk(v, _join(key, k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, key) for v in node]
+        return resolve(node, (key,))
+
+    return walk(data, "")
+
+
+# ---- checks across keys ----------------------------------------------------------------------
+
+
+def _resolve_rollout_engine(cfg: RecipeConfig, name: str) -> RecipeConfig:
+    device = cfg.layout.cluster.device
+    engine = ROLLOUT_ENGINE_FOR_DEVICE[device]
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name not in ("auto", engine):
+        raise ConfigError(
+            f"{name}: actor_rollout_ref.rollout.name={rollout.name!r} does not run on trainer.device={device!r}; "
+            f"use {engine!r} or 'auto'"
+        )
+    arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(rollout, name=engine))
+    return dataclasses.replace(cfg, actor_rollout_ref=arr)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _batch_problems(cfg: RecipeConfig) -> list[str]:
+    """verl's batch arithmetic: every batch splits evenly over steps, DP ranks and micro-batches."""
+    data, actor = cfg.data, cfg.actor_rollout_ref.actor
+    n, t = cfg.actor_rollout_ref.rollout.n, cfg.layout.train
+    world, rollout_dp = cfg.layout.cluster.world_size, cfg.layout.rollout.dp
+    out = []
+    mini, micro = actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu
+    if data.train_batch_size % mini:
+        out.append(
+            f"data.train_batch_size ({data.train_batch_size}) must be a multiple of {_ACTOR}.ppo_mini_batch_size "
+            f"({mini}): set ppo_mini_batch_size to one of {_divisors(data.train_batch_size)}"
+        )
+    dense = t.tp * t.pp * t.cp
+    if world % dense == 0:  # otherwise the layout check reports it
+        dp, rows = world // dense, mini * n
+        if rows % dp:
+            out.append(
+                f"{_ACTOR}.ppo_mini_batch_size x {_ROLLOUT}.n = {mini} x {n} = {rows} rows per optimizer step must "
+                f"split over the training DP = world / (TP*PP*CP) = {world} / {dense} = {dp} ranks: change "
+                f"ppo_mini_batch_size or rollout.n so that their product is a multiple of {dp}"
+            )
+        elif (rows // dp) % micro:
+            out.append(
+                f"each of the {dp} training DP ranks gets {rows} / {dp} = {rows // dp} rows per optimizer step, "
+                f"which must be a multiple of {_ACTOR}.ppo_micro_batch_size_per_gpu ({micro}): set it to one of "
+                f"{_divisors(rows // dp)}"
+            )
+    if (data.train_batch_size * n) % rollout_dp:
+        out.append(
+            f"data.train_batch_size x {_ROLLOUT}.n = {data.train_batch_size} x {n} = {data.train_batch_size * n} "
+            f"responses per step must split over the rollout's data_parallel_size ({rollout_dp}): change "
+            f"train_batch_size or rollout.n so that their product is a multiple of {rollout_dp}"
+        )
+    return out
+
+
+def _cross_checks(cfg: RecipeConfig) -> list[str]:
+    out = _batch_problems(cfg)
+    trainer, data = cfg.trainer, cfg.data
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        out.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint directory)")
+    buffer = cfg.reward_model.overlong_buffer
+    if buffer.enable and not 0 < buffer.len < data.max_response_length:
+        out.append(
+            f"reward_model.overlong_buffer.len ({buffer.len}) must be in [1, data.max_response_length "
+            f"({data.max_response_length})) when the buffer is enabled: the penalty ramps over the last len tokens"
+        )
+    return out
+
+
+def _model_spec(cfg: RecipeConfig, name: str) -> ModelSpec:
+    """The model's shape for planning: model.config, else the checkpoint's config.json."""
+    model = cfg.actor_rollout_ref.model
+    if model.config is not None:
+        return load_model_spec(model.config)
+    if model.path == BUILTIN_TINY:
+        return load_model_spec(TINY)
+    if os.path.isdir(model.path):
+        return load_model_spec(model.path)
+    raise ConfigError(
+        f"{name}: actor_rollout_ref.model.path={model.path!r} is not a local directory and "
+        "actor_rollout_ref.model.config is not set; set model.config to a shipped model "
+        "(e.g. qwen3_30b_a3b) or a config.json so the layout can be checked"
+    )
+
+
+def _layout_problems(cfg: RecipeConfig, name: str) -> list[str]:
+    """The planner's verdict (``python -m megatron_bridge.plan check``) for this model and length."""
+    spec = _model_spec(cfg, name)
+    seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    out = []
+    if seq_len > spec.max_position_embeddings:
+        out.append(
+            f"data.max_prompt_length + data.max_response_length = {seq_len} exceeds the model's "
+            f"max_position_embeddings ({spec.max_position_embeddings}); shorten one of them"
+        )
+    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
+    return out + [f"layout {cfg.layout.name}: {v}" for v in verdict.violations]

@@ -1,0 +1,52 @@
+"""Train: ``python -m recipe.main --config configs/recipe/<name>.yaml [key.sub=value ...]``.
+
+Local mode starts Ray on this machine; under ``ray job submit`` (RAY_ADDRESS set) it joins the
+cluster. ``recipe.main_gspo`` / ``recipe.main_grpo`` are this entry with the algorithm fixed.
+Errors in the inputs (config, data, rewards, loggers, checkpoints) print one message, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_CONFIG = "configs/recipe/tiny_{algo}.yaml"
+
+
+def parse_args(argv: list[str] | None, algo: str | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m recipe.main{'_' + algo if algo else ''}",
+        description="GSPO / GRPO training of a Qwen3-MoE model (Megatron actor, colocated rollout, Ray).",
+    )
+    parser.add_argument("--config", default=DEFAULT_CONFIG.format(algo=algo or "gspo"),
+                        help="recipe YAML (default: %(default)s, the tiny CPU recipe)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, e.g. trainer.total_training_steps=5 parallel=tiny_cpu")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, algo: str | None = None) -> int:
+    args = parse_args(argv, algo)
+    from megatron_bridge.errors import ConfigError
+    from recipe.config import load_config
+    from recipe.data import DataError
+    from recipe.loggers import LoggerError
+    from recipe.reward import RewardError
+    from recipe.worker_group import WorkerDiedError
+
+    user_errors = (ConfigError, DataError, LoggerError, RewardError, WorkerDiedError, FileNotFoundError)
+    try:
+        overrides = list(args.overrides) + ([f"algo={algo}"] if algo else [])
+        cfg = load_config(args.config, overrides)
+        from recipe.trainer import train
+
+        train(cfg)
+    except user_errors as e:
+        notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
+        print(f"error: {e}{notes}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

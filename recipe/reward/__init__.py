@@ -1,0 +1,30 @@
+"""Rewards: built-in scorers (DAPO math, GSM8K, boxed MATH) dispatched by ``data_source``, a
+user's reward function loaded from a file, DAPO's overlong penalty, and the batch API the
+trainer calls on the driver.
+
+    reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)  # at start
+    out = compute_rewards(inputs, reward_fn, max_response_length, OverlongConfig(...))            # every step
+
+Every error is a ``RewardError`` (a ValueError) whose message names the sample or setting and the fix.
+"""
+
+from .batch import RewardFn, RewardInput, RewardOutput, compute_rewards, make_reward_fn
+from .dispatch import default_compute_score
+from .errors import RewardConfigError, RewardError, RewardFunctionError
+from .overlong import OverlongConfig, overlong_penalty
+from .user import load_reward_function
+
+__all__ = [
+    "OverlongConfig",
+    "RewardConfigError",
+    "RewardError",
+    "RewardFn",
+    "RewardFunctionError",
+    "RewardInput",
+    "RewardOutput",
+    "compute_rewards",
+    "default_compute_score",
+    "load_reward_function",
+    "make_reward_fn",
+    "overlong_penalty",
+]

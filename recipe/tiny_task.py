@@ -1,0 +1,277 @@
+"""The built-in tiny task: what the tiny Qwen3-MoE of ``configs/model/tiny_qwen3_moe.yaml`` learns by
+RL in minutes on two CPU cores.
+
+This module owns the task's character-level tokenizer and chat template, the task itself and its
+verl-format parquet rows, the short supervised warm-up, and the cached build of all of it
+(``prepare_builtin``).
+
+The task: the prompt is ``copy <d>`` for a digit d, the answer ``Answer: <d>``. Answers use DAPO's
+format (``data_source`` ``math_dapo``), so the real DAPO reward scores them: +1 right, -1 wrong.
+
+The warm-up teaches the format but not the answer: it trains on ``Answer: <random digit>``, so the
+model answers in format at chance (score mean about -0.8) and RL has to learn the mapping. The
+model starts from unit-variance weights (``megatron_bridge.tiny_model``), whose random features
+still carry the prompt's digit to the answer position after the short warm-up; with transformers'
+default init (std 0.02) or a longer warm-up the model learns to ignore the prompt and RL stalls.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
+
+from megatron_bridge.tiny_model import tiny_hf_model
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+# ids 0, 1, 2 are the tiny model's pad / bos / eos
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS.values())
+CHARACTERS = "\n" + "".join(chr(code) for code in range(32, 127))  # newline and printable ASCII
+
+# One line: a role token, the content, EOS after an assistant turn; unknown roles are an error
+# rather than characters the model never saw.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('tiny task chat template: role must be system, user or assistant, got ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+DATA_SOURCE = "math_dapo"  # scored by DAPO's rule reward
+ABILITY = "math"
+TRAIN_ROWS, VAL_ROWS = 4096, 64
+
+WARMUP_STEPS = 60
+WARMUP_BATCH_SIZE = 32
+WARMUP_LR = 3e-3
+
+CACHE_VERSION = "tiny_task_v1"  # bump when the task, tokenizer or warm-up changes
+MODEL_SUBDIR = "model"
+
+
+class TinyTaskError(ValueError):
+    """Bad input to the tiny task or an unusable cache; the message names it and the fix."""
+
+
+# -- tokenizer ---------------------------------------------------------------------------------
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character (newline and printable ASCII), the special tokens first, no BOS or EOS
+    added on encode: the chat template writes the whole prompt."""
+    vocab = {token: index for index, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # characters back to back, no separator
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS.values()),
+        model_max_length=1024,  # the tiny model's max_position_embeddings
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+# -- the task ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Question:
+    prompt: str  # the user message
+    answer: str  # the ground truth DAPO's reward compares with
+
+
+def make_question(rng: random.Random) -> Question:
+    digit = rng.randrange(10)
+    return Question(prompt=f"copy {digit}", answer=str(digit))
+
+
+def response_text(answer: str) -> str:
+    """A response in DAPO's format for ``answer``."""
+    return f"Answer: {answer}"
+
+
+def task_rows(n: int, seed: int, split: str) -> list[dict]:
+    """``n`` verl rows of the task; the same (seed, split) gives the same rows."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise TinyTaskError(f"task_rows: n must be a positive int, got {n!r}")
+    if not split:
+        raise TinyTaskError("task_rows: split must be a non-empty name such as 'train' or 'test'")
+    rng = random.Random(f"{CACHE_VERSION}/{split}/{seed}")  # a string seed: splits draw independently
+    rows = []
+    for index in range(n):
+        question = make_question(rng)
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": question.prompt}],
+                "ability": ABILITY,
+                "reward_model": {"style": "rule", "ground_truth": question.answer},
+                "extra_info": {"split": split, "index": index},
+            }
+        )
+    return rows
+
+
+def write_parquet(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write ``rows`` to ``path`` atomically: a reader sees the old file or the whole new one."""
+    if not rows:
+        raise TinyTaskError(f"write_parquet {os.fspath(path)!r}: no rows to write")
+    table = pa.Table.from_pylist(rows)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, temp)
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
+
+
+# -- warm-up -----------------------------------------------------------------------------------
+
+
+def build_model(seed: int) -> Qwen3MoeForCausalLM:
+    """The untrained tiny model; leaves torch's global RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return tiny_hf_model(seed).train()
+
+
+def _warmup_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random, size: int) -> dict[str, torch.Tensor]:
+    """Task prompts with ``Answer: <random digit>`` responses, right-padded; only response tokens
+    (EOS included) are labels."""
+    sequences, labels = [], []
+    for _ in range(size):
+        messages = [{"role": "user", "content": make_question(rng).prompt}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        response_ids = tokenizer.encode(response_text(str(rng.randrange(10))), add_special_tokens=False)
+        response_ids.append(tokenizer.eos_token_id)
+        sequences.append(prompt_ids + response_ids)
+        labels.append([-100] * len(prompt_ids) + response_ids)
+    width = max(map(len, sequences))
+    pad = width - torch.tensor([len(s) for s in sequences])
+    return {
+        "input_ids": torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences]),
+        "attention_mask": (torch.arange(width)[None, :] < (width - pad)[:, None]).long(),
+        "labels": torch.tensor([s + [-100] * (width - len(s)) for s in labels]),
+    }
+
+
+def warm_up(
+    model: Qwen3MoeForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    steps: int,
+    seed: int,
+    batch_size: int = WARMUP_BATCH_SIZE,
+    lr: float = WARMUP_LR,
+) -> float:
+    """Supervised Adam steps on format-only responses (see the module doc); returns the last loss."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in tqdm(range(steps), desc="tiny task warm-up", unit="step"):
+        loss = model(**_warmup_batch(tokenizer, rng, batch_size)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return loss.item()
+
+
+# -- the cached build --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuiltinTask:
+    model_dir: str  # HF checkpoint (Hub tensor names) and the tokenizer
+    train_file: str
+    val_file: str
+
+
+def _task_paths(directory: str) -> BuiltinTask:
+    return BuiltinTask(
+        model_dir=os.path.join(directory, MODEL_SUBDIR),
+        train_file=os.path.join(directory, "train.parquet"),
+        val_file=os.path.join(directory, "val.parquet"),
+    )
+
+
+def _is_complete(task: BuiltinTask) -> bool:
+    model_files = ("config.json", "model.safetensors", "tokenizer.json")
+    return all(os.path.isfile(os.path.join(task.model_dir, f)) for f in model_files) and all(
+        os.path.isfile(f) for f in (task.train_file, task.val_file)
+    )
+
+
+def _build(directory: str, seed: int, warmup_steps: int) -> float:
+    """Write the task into the empty ``directory``; returns the final warm-up loss."""
+    paths = _task_paths(directory)
+    tokenizer = build_tokenizer()
+    model = build_model(seed)
+    loss = warm_up(model, tokenizer, steps=warmup_steps, seed=seed)
+    model.eval().save_pretrained(paths.model_dir)
+    tokenizer.save_pretrained(paths.model_dir)
+    write_parquet(task_rows(TRAIN_ROWS, seed, "train"), paths.train_file)
+    write_parquet(task_rows(VAL_ROWS, seed, "test"), paths.val_file)
+    return loss
+
+
+def prepare_builtin(cache_dir: str | os.PathLike, seed: int = 0, *, warmup_steps: int = WARMUP_STEPS) -> BuiltinTask:
+    """The warmed-up model, tokenizer and train/val parquet files under ``cache_dir``, built once.
+
+    The build goes to a temporary directory renamed into place at the end, so a killed build never
+    leaves a half-written cache. ``warmup_steps`` other than the default (tests) gets its own entry.
+    """
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise TinyTaskError(f"prepare_builtin: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    name = f"{CACHE_VERSION}_seed{seed}" + ("" if warmup_steps == WARMUP_STEPS else f"_warmup{warmup_steps}")
+    directory = os.path.join(os.path.abspath(cache_dir), name)
+    task = _task_paths(directory)
+    if os.path.exists(directory):
+        if not _is_complete(task):
+            raise TinyTaskError(
+                f"tiny task cache {directory!r} is incomplete (not written by prepare_builtin); delete it and run again"
+            )
+        return task
+    os.makedirs(cache_dir, exist_ok=True)
+    temp = tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}.", suffix=".tmp")
+    try:
+        start = time.perf_counter()
+        loss = _build(temp, seed, warmup_steps)
+        seconds = time.perf_counter() - start
+        os.rename(temp, directory)
+    except OSError:
+        shutil.rmtree(temp, ignore_errors=True)
+        # another process finished the same build first: use it
+        if _is_complete(task):
+            return task
+        raise
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    print(
+        f"tiny task: built {directory} (warm-up {warmup_steps} steps in {seconds:.1f}s, loss {loss:.3f}; "
+        f"{TRAIN_ROWS} train / {VAL_ROWS} val rows)"
+    )
+    return task

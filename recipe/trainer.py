@@ -1,0 +1,362 @@
+"""The RL loop, read top to bottom: the driver holds the data, rewards and advantages and sends each
+worker its share for generation, log-probs, the update and the weight sync.
+
+One step::
+
+    prompts ─▶ generate (n per prompt, rollout DP shares) ─▶ rewards ─▶ GRPO advantages
+            ─▶ old log-probs (actor) [─▶ ref log-probs] ─▶ update (mini-batches x epochs) ─▶ weight sync
+            ─▶ metrics [─▶ validation] [─▶ checkpoint]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from recipe.advantage import grpo_advantages, token_advantages
+from recipe.config import RecipeConfig, config_to_dict
+from recipe.data import BatchSampler, PromptDataset, PromptSample, val_batches
+from recipe.loggers import Tracking, ascii_curve, read_jsonl
+from recipe.metrics import Timer, data_metrics, mean_metrics, moe_load_metrics, throughput_metrics
+from recipe.reward import OverlongConfig, RewardInput, compute_rewards, make_reward_fn
+from recipe.rollout.base import SamplingParams, request_seed
+from recipe.worker_group import WorkerGroup, init_ray
+
+BUILTIN = "builtin:tiny"
+CHECKPOINT_PREFIX = "global_step_"
+TRAINER_STATE = "trainer_state.json"
+
+
+@dataclass
+class Rollout:
+    """One step's samples, in global row order (row = prompt index * n + sample)."""
+
+    samples: list[PromptSample]  # per row
+    groups: torch.Tensor  # [N] prompt index within the step
+    response_ids: list[list[int]]
+    finish_reasons: list[str]
+
+
+def cache_dir() -> str:
+    return os.environ.get("MOE_RL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "moe_rl"))
+
+
+def resolve_builtin(cfg: RecipeConfig) -> tuple[str, list[str], list[str]]:
+    """The model dir and data files, with ``builtin:tiny`` replaced by the built-in task's."""
+    model, train, val = cfg.actor_rollout_ref.model.path, list(cfg.data.train_files), list(cfg.data.val_files)
+    if BUILTIN in (model, *train, *val):
+        from recipe.tiny_task import prepare_builtin
+
+        task = prepare_builtin(cache_dir(), seed=0)
+        model = task.model_dir if model == BUILTIN else model
+        train = [task.train_file if f == BUILTIN else f for f in train]
+        val = [task.val_file if f == BUILTIN else f for f in val]
+    return model, train, val
+
+
+def run_dir(cfg: RecipeConfig) -> Path:
+    return Path(cfg.trainer.default_local_dir)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    steps = sorted(
+        (int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in directory.glob(f"{CHECKPOINT_PREFIX}*")
+        if p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / TRAINER_STATE).is_file()
+    )
+    return steps[-1][1] if steps else None
+
+
+class Trainer:
+    def __init__(self, cfg: RecipeConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.dir = run_dir(cfg)
+        self.ckpt_dir = self.dir / "checkpoints"
+        self.model_dir, train_files, val_files = resolve_builtin(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        d = cfg.data
+        data_kwargs = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                           filter_overlong_prompts=d.filter_overlong_prompts)
+        self.train_data = PromptDataset(train_files, self.tokenizer, **data_kwargs)
+        self.val_data = PromptDataset(val_files, self.tokenizer, **data_kwargs) if val_files else None
+        self.sampler = BatchSampler(len(self.train_data), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        custom = cfg.custom_reward_function
+        self.reward_fn = make_reward_fn(custom.path, custom.name)
+        ob = cfg.reward_model.overlong_buffer
+        self.overlong = OverlongConfig(enable=ob.enable, len=ob.len, penalty_factor=ob.penalty_factor)
+        self.step = 0
+        self.workers: WorkerGroup | None = None
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the workers and restore the latest checkpoint if resuming."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2, default=str))
+        init_ray(self.cfg.layout.cluster.device, self.cfg.layout.cluster.world_size)
+        self.workers = WorkerGroup(self.cfg.layout)
+        self.infos = self.workers.setup(self.cfg, self.model_dir)
+        self.dp_size = self.infos[0].dp_size
+        self.rollout_dp = self.cfg.layout.rollout.dp
+        checkpoint = self._checkpoint_to_resume()
+        if checkpoint is not None:
+            state = json.loads((checkpoint / TRAINER_STATE).read_text())
+            self.workers.call("load", [(str(checkpoint),)] * self.workers.world_size, "checkpoint load")
+            self.step = state["step"]
+            self.sampler.load_state_dict(state["sampler"])
+            tqdm.write(f"resumed from {checkpoint} (step {self.step})")
+        self.tracking = Tracking(str(self.dir), self.cfg.trainer.logger, self.cfg.trainer.project_name,
+                                 self.cfg.trainer.experiment_name, config_to_dict(self.cfg), resume=self.step > 0)
+        if self.step:
+            self.tracking.drop_from(self.step + 1)  # what a killed run logged past its checkpoint
+
+    def _checkpoint_to_resume(self) -> Path | None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return None
+        if t.resume_mode == "resume_path":
+            path = Path(t.resume_from_path)
+            if not (path / TRAINER_STATE).is_file():
+                raise FileNotFoundError(f"trainer.resume_from_path={path}: not a checkpoint (no {TRAINER_STATE})")
+            return path
+        return latest_checkpoint(self.ckpt_dir)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def fit(self) -> Path:
+        t = self.cfg.trainer
+        if self.step == 0 and t.val_before_train and self.val_data is not None:
+            self.tracking.log(self.validate(), step=0)
+        bar = tqdm(total=t.total_training_steps, initial=self.step, desc="steps", unit="step", dynamic_ncols=True)
+        while self.step < t.total_training_steps:
+            try:
+                metrics = self.train_step(self.step + 1)
+            except Exception as e:
+                e.add_note(f"in step {self.step + 1}; last completed step: {self.step}; run dir: {self.dir}")
+                raise
+            self.step += 1
+            if t.test_freq > 0 and self.val_data is not None and (
+                self.step % t.test_freq == 0 or self.step == t.total_training_steps
+            ):
+                metrics.update(self.validate())
+            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == t.total_training_steps):
+                self.save_checkpoint()
+            self.tracking.log(metrics, step=self.step)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
+        bar.close()
+        return self.finish()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        n = cfg.actor_rollout_ref.rollout.n
+        with timer("step"):
+            prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+            with timer("gen"):
+                rollout = self.generate(prompts, n, self.sampling_params(step))
+            rewards = self.rewards(rollout)
+            scores = torch.tensor(rewards.scores, dtype=torch.float32)
+            a = cfg.algorithm
+            advantages = grpo_advantages(scores, rollout.groups, a.norm_adv_by_std_in_grpo, a.grpo_epsilon)
+            batch = self.make_batch(rollout, advantages)
+            with timer("old_log_prob"):
+                batch["old_log_probs"] = self.log_probs(batch, "actor")
+            routing = self.workers.call("routing_counts")
+            if cfg.actor_rollout_ref.actor.use_kl_loss:
+                with timer("ref"):
+                    batch["ref_log_probs"] = self.log_probs(batch, "ref")
+            with timer("update_actor"):
+                update = self.update(batch)
+            with timer("reshard"):
+                sync = self.workers.call("sync_weights", phase="weight sync")[0]
+        metrics = data_metrics(
+            scores, advantages, batch["response_mask"].sum(1), batch["prompt_lengths"],
+            cfg.data.max_response_length, acc=torch.tensor(rewards.acc, dtype=torch.float32),
+        )
+        metrics.update(update)
+        if update["actor/skipped"]:
+            tqdm.write(f"step {step}: non-finite loss or grad norm ({update.get('actor/grad_norm')}): "
+                       "optimizer step skipped, weights unchanged")
+        metrics.update({k: v for k, v in sync.items() if k.startswith("reshard/")})
+        metrics.update(moe_load_metrics(self.layer_counts(routing)))
+        metrics.update(timer.timings)
+        tokens = int(batch["prompt_lengths"].sum() + batch["response_mask"].sum())
+        metrics.update(throughput_metrics(tokens, timer.timings["timing_s/step"], self.workers.world_size))
+        # the busiest worker's peak
+        for memory in self.workers.call("memory"):
+            for key, value in memory.items():
+                metrics[key] = max(metrics.get(key, 0.0), value)
+        metrics["training/epoch"] = float(self.sampler.epoch)
+        return metrics
+
+    # --- phases ------------------------------------------------------------------------------
+
+    def sampling_params(self, step: int, validation: bool = False) -> SamplingParams:
+        r = self.cfg.actor_rollout_ref.rollout
+        # a seed per step (and per purpose): a resumed run draws what the uninterrupted one drew
+        seed = request_seed(self.cfg.trainer.seed, step, stream=1 if validation else 0) & 0x7FFFFFFF
+        if validation:
+            v = r.val_kwargs
+            temperature = v.temperature if v.do_sample else 0.0
+            return SamplingParams(temperature=temperature, top_p=v.top_p, top_k=v.top_k,
+                                  max_tokens=self.cfg.data.max_response_length, seed=seed)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_tokens=self.cfg.data.max_response_length, seed=seed)
+
+    def generate(self, prompts: list[PromptSample], n: int, params: SamplingParams) -> Rollout:
+        """``n`` responses per prompt. Rows are split into contiguous shares, one per rollout DP
+        rank; every rank of a rollout TP group gets its group's share."""
+        rows = [s for s in prompts for _ in range(n)]
+        shares = _split(len(rows), self.rollout_dp)
+        args = []
+        for info in self.infos:
+            lo, hi = shares[info.rollout_dp_rank]
+            args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(lo, hi)), params))
+        outputs = self.workers.call("generate", args, "generation")
+        response_ids, finish = [], []
+        for info, out in zip(self.infos, outputs):
+            if info.first_of_rollout_group:
+                response_ids += out.token_ids
+                finish += out.finish_reasons
+        groups = torch.arange(len(prompts)).repeat_interleave(n)
+        return Rollout(rows, groups, response_ids, finish)
+
+    def rewards(self, rollout: Rollout):
+        inputs = [
+            RewardInput(data_source=s.data_source, response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                        ground_truth=s.ground_truth, extra_info=s.extra_info, response_length=len(ids), index=i)
+            for i, (s, ids) in enumerate(zip(rollout.samples, rollout.response_ids))
+        ]
+        return compute_rewards(inputs, self.reward_fn, self.cfg.data.max_response_length, self.overlong)
+
+    def make_batch(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Prompt + response per row, right-padded (the actor's batch convention)."""
+        prompts = [s.prompt_ids for s in rollout.samples]
+        width_r = max(1, max(len(r) for r in rollout.response_ids))
+        width = max(len(p) for p in prompts) + width_r
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        response_mask = torch.zeros(len(prompts), width_r, dtype=torch.float32)
+        for i, (p, r) in enumerate(zip(prompts, rollout.response_ids)):
+            input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+            response_mask[i, : len(r)] = 1
+        return {
+            "input_ids": input_ids,
+            "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.long),
+            "response_mask": response_mask,
+            "advantages": token_advantages(advantages, response_mask),
+        }
+
+    def dp_rows(self, rows: int, mini_batch_rows: int) -> list[torch.Tensor]:
+        """Row indices of each DP rank: within every global mini-batch, rank d takes the d-th
+        slice, so mini-batch m holds the same rows whatever the DP size (DP-invariant update)."""
+        per_rank = mini_batch_rows // self.dp_size
+        index = torch.arange(rows).reshape(rows // mini_batch_rows, self.dp_size, per_rank)
+        return [index[:, d].reshape(-1) for d in range(self.dp_size)]
+
+    def mini_batch_rows(self) -> int:
+        return self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n
+
+    def log_probs(self, batch: dict[str, torch.Tensor], model: str) -> torch.Tensor:
+        rows = len(batch["input_ids"])
+        shares = self.dp_rows(rows, self.mini_batch_rows())
+        args = [({k: v[shares[info.dp_rank]] for k, v in batch.items()}, model) for info in self.infos]
+        outputs = self.workers.call("compute_log_probs", args, f"{model} log-probs")
+        result = torch.empty(rows, batch["response_mask"].shape[1], dtype=torch.float32)
+        for info, out in zip(self.infos, outputs):
+            if info.first_of_replica:
+                result[shares[info.dp_rank]] = out
+        return result
+
+    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        rows, mini = len(batch["input_ids"]), self.mini_batch_rows()
+        shares = self.dp_rows(rows, mini)
+        args = [({k: v[shares[info.dp_rank]] for k, v in batch.items()}, mini // self.dp_size) for info in self.infos]
+        per_step = self.workers.call("update", args, "actor update")[0]
+        metrics = mean_metrics(per_step)
+        # the LR and skip flag of the last optimizer step, as verl reports them
+        metrics["actor/lr"] = per_step[-1]["actor/lr"]
+        metrics["actor/skipped"] = float(sum(s["actor/skipped"] for s in per_step))
+        return metrics
+
+    def layer_counts(self, routing: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+        """[layers, experts] routed tokens over the step's rows: each DP replica's first rank per
+        pipeline stage (with sequence parallel, every TP rank holds a slice of the tokens)."""
+        sp = self.cfg.layout.train.sequence_parallel
+        total: dict[int, torch.Tensor] = {}
+        for info, counts in zip(self.infos, routing):
+            if info.tp_rank == 0 or sp:
+                for layer, c in counts.items():
+                    total[layer] = total.get(layer, 0) + c
+        return torch.stack([total[k] for k in sorted(total)]) if total else torch.zeros(0, 0)
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (or ``val_kwargs``) responses to every validation prompt: val/score, val/acc."""
+        v = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        scores, accs, lengths = [], [], []
+        for indices in val_batches(len(self.val_data), self.cfg.data.val_batch_size):
+            rollout = self.generate([self.val_data[i] for i in indices], v.n, self.sampling_params(self.step, True))
+            out = self.rewards(rollout)
+            scores += out.scores
+            accs += out.acc
+            lengths += [len(r) for r in rollout.response_ids]
+        return {"val/score/mean": sum(scores) / len(scores), "val/acc/mean": sum(accs) / len(accs),
+                "val/response_length/mean": sum(lengths) / len(lengths)}
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Every worker writes its shard into a temporary directory, which is renamed into place
+        once complete; older checkpoints beyond ``max_actor_ckpt_to_keep`` are removed."""
+        final = self.ckpt_dir / f"{CHECKPOINT_PREFIX}{self.step}"
+        tmp = self.ckpt_dir / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.workers.call("save", [(str(tmp),)] * self.workers.world_size, "checkpoint save")
+        state = {"step": self.step, "sampler": self.sampler.state_dict()}
+        (tmp / TRAINER_STATE).write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        keep = self.cfg.trainer.max_actor_ckpt_to_keep
+        done = sorted((int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in self.ckpt_dir.glob(f"{CHECKPOINT_PREFIX}*"))
+        for _, old in done[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+        return final
+
+    def finish(self) -> Path:
+        self.tracking.close()
+        history = [m for m in read_jsonl(str(self.dir / "metrics.jsonl")) if "critic/score/mean" in m]
+        curve = ascii_curve([m["critic/score/mean"] for m in history], label="critic/score/mean")
+        (self.dir / "reward_curve.txt").write_text(curve + "\n")
+        print(curve)
+        print(f"metrics: {self.dir / 'metrics.jsonl'}\nreward curve: {self.dir / 'reward_curve.txt'}")
+        return self.dir
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+
+def _split(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal [lo, hi) ranges."""
+    bounds = [round(i * rows / parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def train(cfg: RecipeConfig) -> Path:
+    trainer = Trainer(cfg)
+    try:
+        trainer.start()
+        return trainer.fit()
+    finally:
+        trainer.close()
+

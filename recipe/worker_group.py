@@ -1,0 +1,105 @@
+"""Ray plumbing: one ``recipe.worker.Worker`` per device, placed node by node with placement groups,
+and calls to all of them that turn a dead worker into a message naming it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megatron_bridge.layout import Layout
+from recipe.worker import RankInfo, Worker
+
+# Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
+DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}
+PLACEMENT_TIMEOUT_S = 120
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended (crash, OOM kill, node loss); the run cannot go on without it."""
+
+
+def init_ray(device: str, world_size: int) -> None:
+    """Join the cluster when run under ``ray job submit`` (RAY_ADDRESS is set), else start a local
+    Ray with enough CPUs for one worker per simulated device."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level="WARNING")
+        return
+    cpus = max(os.cpu_count() or 1, world_size) if device == "cpu" else None
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+
+
+class WorkerGroup:
+    def __init__(self, layout: Layout):
+        cluster = layout.cluster
+        self.world_size = cluster.world_size
+        resource = DEVICE_RESOURCE[cluster.device]
+        cpus_per_worker = 1
+        if resource is None:  # CPU: share this node's cores between the workers
+            cpus_per_worker = max(1, int(ray.available_resources().get("CPU", 1)) // cluster.devices_per_node)
+        bundle = {"CPU": cpus_per_worker, **({resource: 1} if resource else {})}
+        # One STRICT_PACK group per node: the ranks of a node stay together, as the layout assumes.
+        self.groups = [placement_group([bundle] * cluster.devices_per_node, strategy="STRICT_PACK")
+                       for _ in range(cluster.nnodes)]
+        ready = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups), timeout=PLACEMENT_TIMEOUT_S)[0]
+        if len(ready) < len(self.groups):
+            self.close()
+            raise RuntimeError(
+                f"Ray could place only {len(ready)} of {cluster.nnodes} nodes' workers within {PLACEMENT_TIMEOUT_S}s: "
+                f"each node needs {cluster.devices_per_node} x {bundle}; the cluster has {ray.cluster_resources()}. "
+                "Check trainer.nnodes / trainer.n_gpus_per_node against the nodes that joined"
+            )
+        remote = ray.remote(Worker)
+        self.workers = [
+            remote.options(
+                num_cpus=cpus_per_worker,
+                resources={resource: 1} if resource else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local),
+            ).remote(node * cluster.devices_per_node + local, self.world_size, cpus_per_worker)
+            for node, group in enumerate(self.groups)
+            for local in range(cluster.devices_per_node)
+        ]
+        self.infos: list[RankInfo] = []
+
+    def setup(self, cfg, model_dir: str) -> list[RankInfo]:
+        addr, port = self.get([self.workers[0].address.remote()], "start-up")[0]
+        self.infos = self.get([w.setup.remote(cfg, model_dir, addr, port) for w in self.workers], "start-up")
+        return self.infos
+
+    def call(self, method: str, args: Sequence[tuple] | None = None, phase: str | None = None) -> list[Any]:
+        """``method`` on every worker (with its own ``args`` if given), all at once; their results."""
+        args = args or [()] * self.world_size
+        return self.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args)], phase or method)
+
+    def get(self, refs: list, phase: str) -> list[Any]:
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            dead = [r for r, ref in enumerate(refs) if _died(ref)]
+            who = ", ".join(self._describe(r) for r in dead) or "a worker"
+            raise WorkerDiedError(f"{who} died during {phase}: {e.__class__.__name__}") from e
+
+    def _describe(self, rank: int) -> str:
+        node = f" on node {self.infos[rank].node_ip}" if rank < len(self.infos) else ""
+        return f"worker rank {rank}{node}"
+
+    def close(self) -> None:
+        for worker in getattr(self, "workers", []):
+            ray.kill(worker)
+        for group in self.groups:
+            remove_placement_group(group)
+
+
+def _died(ref) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001  (another error or not finished: not this worker's death)
+        return False
+    return False
