@@ -1,18 +1,14 @@
 """The built-in tiny task: what the tiny Qwen3-MoE of ``configs/model/tiny_qwen3_moe.yaml`` learns by
 RL in minutes on two CPU cores.
 
-This module owns the task's character-level tokenizer and chat template, the task itself and its
+This module owns the task's character-level tokenizer and chat template, the task and its
 verl-format parquet rows, the short supervised warm-up, and the cached build of all of it
 (``prepare_builtin``).
 
-The task: the prompt is ``copy <d>`` for a digit d, the answer ``Answer: <d>``. Answers use DAPO's
-format (``data_source`` ``math_dapo``), so the real DAPO reward scores them: +1 right, -1 wrong.
-
-The warm-up teaches the format but not the answer: it trains on ``Answer: <random digit>``, so the
-model answers in format at chance (score mean about -0.8) and RL has to learn the mapping. The
-model starts from unit-variance weights (``megatron_bridge.tiny_model``), whose random features
-still carry the prompt's digit to the answer position after the short warm-up; with transformers'
-default init (std 0.02) or a longer warm-up the model learns to ignore the prompt and RL stalls.
+The task: ``after 3?`` is answered ``Answer: 4``. Answers use DAPO's format (``data_source``
+``math_dapo``), so the real DAPO reward scores them: +1 right, -1 wrong. The warm-up teaches the
+format but not the answer (see ``warm_up``): the model starts at chance, a score mean near -0.8,
+and GRPO or GSPO lift it above +0.5 within about 20 steps of 16 prompts x 8 samples.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
@@ -52,6 +49,7 @@ CHAT_TEMPLATE = (
 )
 
 DATA_SOURCE = "math_dapo"  # scored by DAPO's rule reward
+ANSWER_PREFIX = "Answer: "  # what DAPO's reward looks for
 ABILITY = "math"
 TRAIN_ROWS, VAL_ROWS = 4096, 64
 
@@ -90,23 +88,25 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-# -- the task ----------------------------------------------------------------------------------
+# -- the task ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Question:
     prompt: str  # the user message
     answer: str  # the ground truth DAPO's reward compares with
+    digit: int  # the prompt's digit: what the warm-up's probe reads (see warm_up)
 
 
 def make_question(rng: random.Random) -> Question:
-    digit = rng.randrange(10)
-    return Question(prompt=f"copy {digit}", answer=str(digit))
+    """The digit after d: ``after 3?`` is answered ``4`` (d from 0 to 8, so answers are one digit)."""
+    digit = rng.randrange(9)
+    return Question(prompt=f"after {digit}?", answer=str(digit + 1), digit=digit)
 
 
 def response_text(answer: str) -> str:
     """A response in DAPO's format for ``answer``."""
-    return f"Answer: {answer}"
+    return f"{ANSWER_PREFIX}{answer}"
 
 
 def task_rows(n: int, seed: int, split: str) -> list[dict]:
@@ -156,25 +156,48 @@ def build_model(seed: int) -> Qwen3MoeForCausalLM:
         return tiny_hf_model(seed).train()
 
 
-def _warmup_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random, size: int) -> dict[str, torch.Tensor]:
-    """Task prompts with ``Answer: <random digit>`` responses, right-padded; only response tokens
-    (EOS included) are labels."""
-    sequences, labels = [], []
+@dataclass
+class _WarmupBatch:
+    input_ids: torch.Tensor  # [B, T] right-padded prompt + response
+    attention_mask: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T] the response's tokens (EOS included), -100 elsewhere
+    answer_position: torch.Tensor  # [B] the position whose next token is the answer digit
+    digit: torch.Tensor  # [B] the prompt's digit
+
+
+def _warmup_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random, size: int) -> _WarmupBatch:
+    """Task prompts with ``Answer: <random digit>`` responses."""
+    sequences, labels, answer_positions, digits = [], [], [], []
+    prefix_length = len(tokenizer.encode(ANSWER_PREFIX, add_special_tokens=False))
     for _ in range(size):
-        messages = [{"role": "user", "content": make_question(rng).prompt}]
+        question = make_question(rng)
+        messages = [{"role": "user", "content": question.prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         response_ids = tokenizer.encode(response_text(str(rng.randrange(10))), add_special_tokens=False)
         response_ids.append(tokenizer.eos_token_id)
         sequences.append(prompt_ids + response_ids)
         labels.append([-100] * len(prompt_ids) + response_ids)
+        answer_positions.append(len(prompt_ids) + prefix_length - 1)
+        digits.append(question.digit)
     width = max(map(len, sequences))
-    pad = width - torch.tensor([len(s) for s in sequences])
-    return {
-        "input_ids": torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences]),
-        "attention_mask": (torch.arange(width)[None, :] < (width - pad)[:, None]).long(),
-        "labels": torch.tensor([s + [-100] * (width - len(s)) for s in labels]),
-    }
+    lengths = torch.tensor([len(s) for s in sequences])
+    return _WarmupBatch(
+        input_ids=torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences]),
+        attention_mask=(torch.arange(width)[None, :] < lengths[:, None]).long(),
+        labels=torch.tensor([s + [-100] * (width - len(s)) for s in labels]),
+        answer_position=torch.tensor(answer_positions),
+        digit=torch.tensor(digits),
+    )
+
+
+def _warmup_loss(model: Qwen3MoeForCausalLM, probe: torch.nn.Linear, batch: _WarmupBatch) -> torch.Tensor:
+    """Next-token loss on the response plus the probe's loss on the prompt's digit."""
+    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    logits = model.lm_head(hidden[:, :-1]).float()
+    lm_loss = F.cross_entropy(logits.transpose(1, 2), batch.labels[:, 1:], ignore_index=-100)
+    at_answer = hidden[torch.arange(len(hidden)), batch.answer_position]
+    return lm_loss + F.cross_entropy(probe(at_answer).float(), batch.digit)
 
 
 def warm_up(
@@ -186,13 +209,23 @@ def warm_up(
     batch_size: int = WARMUP_BATCH_SIZE,
     lr: float = WARMUP_LR,
 ) -> float:
-    """Supervised Adam steps on format-only responses (see the module doc); returns the last loss."""
+    """Supervised Adam steps that teach the format but not the answer; returns the last loss.
+
+    Responses are ``Answer: <random digit>``, so the model learns the format and answers at chance.
+    Alone, that also teaches it to ignore the prompt, which leaves RL nothing to build on (it stalls
+    for dozens of steps). So a linear probe, thrown away afterwards, reads the prompt's digit from
+    the hidden state that writes the answer: the digit stays in view there, and RL only has to
+    learn which answer it calls for. Leaves torch's global RNG as it was.
+    """
     rng = random.Random(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        probe = torch.nn.Linear(model.config.hidden_size, 10)
+    optimizer = torch.optim.Adam([*model.parameters(), *probe.parameters()], lr=lr)
     model.train()
     loss = torch.tensor(float("nan"))
     for _ in tqdm(range(steps), desc="tiny task warm-up", unit="step"):
-        loss = model(**_warmup_batch(tokenizer, rng, batch_size)).loss
+        loss = _warmup_loss(model, probe, _warmup_batch(tokenizer, rng, batch_size))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -260,18 +293,18 @@ def prepare_builtin(cache_dir: str | os.PathLike, seed: int = 0, *, warmup_steps
         start = time.perf_counter()
         loss = _build(temp, seed, warmup_steps)
         seconds = time.perf_counter() - start
+    except BaseException:
+        shutil.rmtree(temp)
+        raise
+    try:
         os.rename(temp, directory)
     except OSError:
-        shutil.rmtree(temp, ignore_errors=True)
-        # another process finished the same build first: use it
-        if _is_complete(task):
-            return task
-        raise
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+        shutil.rmtree(temp)
+        if not _is_complete(task):
+            raise
+        return task  # another process finished the same build first
     print(
-        f"tiny task: built {directory} (warm-up {warmup_steps} steps in {seconds:.1f}s, loss {loss:.3f}; "
+        f"tiny task: built {directory} (warm-up {warmup_steps} steps in {seconds:.1f}s, final loss {loss:.3f}; "
         f"{TRAIN_ROWS} train / {VAL_ROWS} val rows)"
     )
     return task

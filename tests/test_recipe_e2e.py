@@ -68,7 +68,7 @@ def _row(i: int, **over) -> dict:
 
 
 @pytest.mark.parametrize("bad, field", [
-    ({"prompt": "not a list of messages"}, "prompt"),
+    ({"prompt": []}, "prompt"),
     ({"reward_model": {"style": "rule", "ground_truth": None}}, "reward_model.ground_truth"),
 ])
 def test_bad_parquet_row_is_named(tmp_path, bad, field):
