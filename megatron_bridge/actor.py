@@ -79,7 +79,7 @@ def split_rows(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torc
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
-def _response_ends(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def response_ends(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per row: prompt length + index past the last valid response token."""
     mask = batch["response_mask"].bool()
     width = mask.shape[1]
@@ -175,7 +175,7 @@ class MegatronActor:
         multiple of TP (sequence parallel splits it). One length everywhere is what the pipeline's
         fixed p2p shapes and the allgather dispatcher's equal-size gathers need."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        length = _response_ends(batch).max().clamp(min=1).reshape(1)
+        length = response_ends(batch).max().clamp(min=1).reshape(1)
         torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
         seq_len = math.ceil(int(length) / self.train.tp) * self.train.tp
         ids = batch["input_ids"][:, :seq_len]

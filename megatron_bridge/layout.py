@@ -132,14 +132,20 @@ _CLUSTER_KEYS = {
 }
 
 
+def nearest_key(key: str, known: list[str]) -> str | None:
+    """The known key a misspelt ``key`` most likely meant, if any is close."""
+    near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+    return near[0] if near else None
+
+
 def check_keys(section: Mapping[str, Any], known: list[str], where: str) -> None:
     """Raise for the first unknown key, naming the nearest known one."""
     if not isinstance(section, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(section).__name__}")
     for key in section:
         if key not in known:
-            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
-            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(known)}"
+            near = nearest_key(key, known)
+            hint = f"; did you mean {near!r}?" if near else f"; known keys: {', '.join(known)}"
             raise ConfigError(f"{where}.{key}: unknown key{hint}")
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from megatron_bridge.actor import response_ends
+
 
 def valid_token_mask(micro_batch: dict[str, torch.Tensor], seq_len: int) -> torch.Tensor:
     """[s * b] bool, sequence-major like the router's input: positions before each row's response end."""
-    mask = micro_batch["response_mask"].bool()
-    width = mask.shape[1]
-    last = width - torch.flip(mask, dims=[1]).int().argmax(dim=1)
-    ends = micro_batch["prompt_lengths"] + torch.where(mask.any(dim=1), last, 0)
+    ends = response_ends(micro_batch)
     positions = torch.arange(seq_len, device=ends.device)
     return (positions[:, None] < ends[None, :]).reshape(-1)
 

@@ -23,7 +23,6 @@ verl's batch arithmetic, and the layout against the model with the planner's rul
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import types
@@ -36,7 +35,7 @@ import yaml
 from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, policy_loss_modes
 from megatron_bridge.actor import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.layout import Layout, layout_from_dict, layout_to_dict
+from megatron_bridge.layout import Layout, layout_from_dict, layout_to_dict, nearest_key
 from megatron_bridge.model_spec import ModelSpec, load_model_spec
 from megatron_bridge.plan import evaluate
 from megatron_bridge.tiny_model import TINY
@@ -418,8 +417,8 @@ def _check_known(data: Any, known: list[str], key: str, name: str) -> None:
         raise ConfigError(f"{name}: {key}={data!r}: expected a mapping of keys")
     for sub in data:
         if sub not in known:
-            near = difflib.get_close_matches(str(sub), known, n=1, cutoff=0.5)
-            hint = f"did you mean {_join(key, near[0])}?" if near else f"known keys here: {', '.join(known)}"
+            near = nearest_key(sub, known)
+            hint = f"did you mean {_join(key, near)}?" if near else f"known keys here: {', '.join(known)}"
             raise ConfigError(f"{name}: {_join(key, str(sub))}: unknown key; {hint}")
 
 

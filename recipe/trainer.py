@@ -65,12 +65,11 @@ def run_dir(cfg: RecipeConfig) -> Path:
     return Path(cfg.trainer.default_local_dir)
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    steps = sorted(
-        (int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in directory.glob(f"{CHECKPOINT_PREFIX}*")
-        if p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / TRAINER_STATE).is_file()
-    )
-    return steps[-1][1] if steps else None
+def checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a temporary one has another name until it is renamed)."""
+    found = [p for p in directory.glob(f"{CHECKPOINT_PREFIX}*")
+             if p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
 class Trainer:
@@ -127,7 +126,8 @@ class Trainer:
             if not (path / TRAINER_STATE).is_file():
                 raise FileNotFoundError(f"trainer.resume_from_path={path}: not a checkpoint (no {TRAINER_STATE})")
             return path
-        return latest_checkpoint(self.ckpt_dir)
+        done = checkpoints(self.ckpt_dir)
+        return done[-1] if done else None
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -326,8 +326,7 @@ class Trainer:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         keep = self.cfg.trainer.max_actor_ckpt_to_keep
-        done = sorted((int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in self.ckpt_dir.glob(f"{CHECKPOINT_PREFIX}*"))
-        for _, old in done[:-keep] if keep > 0 else []:
+        for old in checkpoints(self.ckpt_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
         return final
 
