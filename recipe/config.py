@@ -601,7 +601,7 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
     return out
 
 
-def _model_spec(cfg: RecipeConfig, name: str) -> ModelSpec:
+def model_spec(cfg: RecipeConfig, name: str) -> ModelSpec:
     """The model's shape for planning: model.config, else the checkpoint's config.json."""
     model = cfg.actor_rollout_ref.model
     if model.config is not None:
@@ -619,7 +619,7 @@ def _model_spec(cfg: RecipeConfig, name: str) -> ModelSpec:
 
 def _layout_problems(cfg: RecipeConfig, name: str) -> list[str]:
     """The planner's verdict (``python -m megatron_bridge.plan check``) for this model and length."""
-    spec = _model_spec(cfg, name)
+    spec = model_spec(cfg, name)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     out = []
     if seq_len > spec.max_position_embeddings:

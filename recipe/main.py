@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None, algo: str | None = None) -> int:
     from recipe.data import DataError
     from recipe.loggers import LoggerError
     from recipe.reward import RewardError
-    from recipe.worker_group import WorkerDiedError
+    from recipe.worker_group import ClusterError, WorkerDiedError
 
-    user_errors = (ConfigError, DataError, LoggerError, RewardError, WorkerDiedError, FileNotFoundError)
+    user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, FileNotFoundError)
     try:
         overrides = list(args.overrides) + ([f"algo={algo}"] if algo else [])
         cfg = load_config(args.config, overrides)

@@ -104,6 +104,11 @@ class Trainer:
         self.workers = WorkerGroup(self.cfg.layout)
         self.infos = self.workers.setup(self.cfg, self.model_dir)
         self.dp_size = self.infos[0].dp_size
+        nodes: dict[str, list[int]] = {}
+        for info in self.infos:
+            nodes.setdefault(info.node_ip, []).append(info.rank)
+        spans = [f"node {ip} rank {r[0]}" if len(r) == 1 else f"node {ip} ranks {r[0]}-{r[-1]}" for ip, r in nodes.items()]
+        tqdm.write("workers: " + "; ".join(spans))
         self.rollout_dp = self.cfg.layout.rollout.dp
         checkpoint = self._checkpoint_to_resume()
         if checkpoint is not None:

@@ -16,6 +16,11 @@ from recipe.worker import RankInfo, Worker
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
 DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}
 PLACEMENT_TIMEOUT_S = 120
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster lacks the nodes or devices the layout needs."""
 
 
 class WorkerDiedError(RuntimeError):
@@ -31,7 +36,24 @@ def init_ray(device: str, world_size: int) -> None:
         ray.init(logging_level="WARNING")
         return
     cpus = max(os.cpu_count() or 1, world_size) if device == "cpu" else None
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    # address="local": a new Ray of our own, never a cluster `ray start` once recorded on this machine.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+
+
+def pick_nodes(nodes: list[dict], nnodes: int, devices_per_node: int, resource: str | None) -> list[dict]:
+    """The ``nnodes`` nodes the run takes (``ray.nodes()`` entries): alive ones that offer a whole
+    node's devices, the head first. Raises naming what the cluster has when too few qualify."""
+    fit = [n for n in nodes if n["Alive"] and (resource is None or n["Resources"].get(resource, 0) >= devices_per_node)]
+    fit.sort(key=lambda n: (HEAD_RESOURCE not in n["Resources"], n["NodeManagerAddress"]))
+    if len(fit) < nnodes:
+        have = ", ".join(f"{n['NodeManagerAddress']} ({int(n['Resources'].get(resource, 0))} {resource})" if resource
+                         else n["NodeManagerAddress"] for n in nodes if n["Alive"]) or "none"
+        raise ClusterError(
+            f"the run needs {nnodes} node(s) with {devices_per_node} {resource or 'CPU ranks'} each; the Ray cluster "
+            f"has {len(fit)} such node(s) (alive: {have}). Check trainer.nnodes / trainer.n_gpus_per_node against "
+            "the nodes that joined"
+        )
+    return fit[:nnodes]
 
 
 class WorkerGroup:
@@ -39,17 +61,19 @@ class WorkerGroup:
         cluster = layout.cluster
         self.world_size = cluster.world_size
         resource = DEVICE_RESOURCE[cluster.device]
+        nodes = pick_nodes(ray.nodes(), cluster.nnodes, cluster.devices_per_node, resource)
         cpus_per_worker = 1
-        if resource is None:  # CPU: share this node's cores between the workers
-            cpus_per_worker = max(1, int(ray.available_resources().get("CPU", 1)) // cluster.devices_per_node)
+        if resource is None:  # CPU: share each node's cores between its ranks
+            cpus_per_worker = max(1, min(int(n["Resources"].get("CPU", 1)) for n in nodes) // cluster.devices_per_node)
         bundle = {"CPU": cpus_per_worker, **({resource: 1} if resource else {})}
-        # One STRICT_PACK group per node: the ranks of a node stay together, as the layout assumes.
-        self.groups = [placement_group([bundle] * cluster.devices_per_node, strategy="STRICT_PACK")
-                       for _ in range(cluster.nnodes)]
+        # One STRICT_PACK group per node, pinned to it (Ray's node:<ip> resource): the ranks of a
+        # node stay together and no two groups share a node, as the layout assumes.
+        self.groups = [placement_group([{**bundle, f"node:{n['NodeManagerAddress']}": 0.001}] * cluster.devices_per_node,
+                                       strategy="STRICT_PACK") for n in nodes]
         ready = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups), timeout=PLACEMENT_TIMEOUT_S)[0]
         if len(ready) < len(self.groups):
             self.close()
-            raise RuntimeError(
+            raise ClusterError(
                 f"Ray could place only {len(ready)} of {cluster.nnodes} nodes' workers within {PLACEMENT_TIMEOUT_S}s: "
                 f"each node needs {cluster.devices_per_node} x {bundle}; the cluster has {ray.cluster_resources()}. "
                 "Check trainer.nnodes / trainer.n_gpus_per_node against the nodes that joined"

@@ -1,0 +1,402 @@
+#!/usr/bin/env bash
+# The body of every launcher (launch/<recipe>.sh sources it and calls launch_main). The same script
+# runs unchanged on every node: the node whose address is MASTER_ADDR is the head, the others join.
+#
+# Head:   check the recipe and layout with the planner (nothing starts if it is invalid)
+#         -> ray start --head (this node's devices) -> wait for NNODES nodes (JOIN_TIMEOUT_S)
+#         -> ray job submit --runtime-env <generated> -- python -m recipe.main_<algo> ...
+#         -> follow the job, exit with its status -> stop this node's Ray.
+# Worker: check the recipe -> join the head with retries (JOIN_TIMEOUT_S) -> stay until the head's
+#         cluster ends -> stop this node's Ray.
+# Only what this launcher started is stopped (its own `ray start`, its own job), on success, on
+# errors and on Ctrl-C. Logs: $LOG_DIR/<recipe>-<time>-<role>-<host>/. See docs/launch.md.
+
+launch_usage() {
+  cat <<EOF
+usage: [VAR=value ...] bash $0 [--dry-run] [key.sub=value ...]
+
+Runs $LAUNCH_ALGO on the recipe ${RECIPE:-$LAUNCH_RECIPE}; run the same command on every node.
+  --dry-run       print the layout, memory per device, environment and each node's commands; start nothing
+  key.sub=value   recipe overrides, passed to python -m recipe.main_$LAUNCH_ALGO (after the variables below)
+
+Environment (empty: the recipe's or layout's own value):
+  NNODES, NPUS_PER_NODE   cluster shape (default: the layout's trainer.nnodes / n_gpus_per_node)
+  MASTER_ADDR             the head node's address, the same on every node (default 127.0.0.1: one node)
+  SOCKET_IFNAME           network interface for HCCL/gloo (default: the one on the route to MASTER_ADDR)
+  MODEL_PATH, TRAIN_FILE, VAL_FILE, CKPT_DIR    checkpoint, data (comma-separated for several), run dir
+  PARALLEL                a configs/parallel/*.yaml (path or name): swaps the parallel layout
+  RAY_PORT (6379), DASHBOARD_PORT (8265), JOIN_TIMEOUT_S (600), LOG_DIR (./logs)
+  NODE_IPS                all nodes' addresses, comma-separated: names the missing ones on a time-out
+  HCCL_BUFFSIZE           MB; default: the planner's value for the layout (NPU with MC2)
+  RECIPE, RUNTIME_ENV     another recipe YAML / runtime env template (default configs/runtime_env/<by device>)
+  NODE_ROLE, NODE_IP      head|worker and this node's address, when auto-detection is wrong
+  RAY_AUTH_MODE (token)   Ray's token auth; every node needs the head's ~/.ray/auth_token or RAY_AUTH_TOKEN
+More, with the multi-node procedure: docs/launch.md
+EOF
+}
+
+log() { printf '[launch %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+die() {
+  local rc=$1
+  shift
+  printf '[launch %s] error: %s\n' "$(date +%H:%M:%S)" "$*" >&2
+  exit "$rc"
+}
+
+# ---- node facts --------------------------------------------------------------------------------
+
+resolve_ip() {  # an address or host name -> an IPv4 address
+  if [[ $1 =~ ^[0-9.]+$ ]]; then
+    echo "$1"
+  else
+    getent ahostsv4 "$1" | awk '{print $1; exit}'
+  fi
+}
+
+local_ips() { ip -o -4 addr show 2>/dev/null | awk '{split($4, a, "/"); print a[1]}'; }
+
+is_local_ip() { [[ $1 == 127.* ]] || local_ips | grep -qxF "$1"; }
+
+route_field() {  # route_field <ip> dev|src: the field of the route this node takes to <ip>
+  ip -o route get "$1" 2>/dev/null | awk -v f="$2" '{for (i = 1; i < NF; i++) if ($i == f) {print $(i + 1); exit}}'
+}
+
+ifname_of_ip() { ip -o -4 addr show 2>/dev/null | awk -v ip="$1" '{split($4, a, "/"); if (a[1] == ip) {print $2; exit}}'; }
+
+head_reachable() { timeout 3 bash -c "exec 3<>/dev/tcp/$MASTER_IP/$RAY_PORT" 2>/dev/null; }
+
+# ---- this launcher's Ray node and job ------------------------------------------------------------
+
+RAY_PID=""
+RAY_ADDRESS_FILE=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster  # where `ray start` records its cluster
+RAY_RECORD=""
+JOB_ID=""
+JOB_DONE=0
+
+# start_ray_node <log> <command...>: run `ray start --block` in the background and wait until it
+# reports the node up. --block keeps the Ray processes children of that one process, so stopping
+# it (SIGTERM) stops exactly this node's Ray and nothing else on the machine.
+start_ray_node() {
+  local out=$1
+  shift
+  "$@" >"$out" 2>&1 &
+  RAY_PID=$!
+  local deadline=$((SECONDS + RAY_START_TIMEOUT_S))
+  until grep -q "Ray runtime started" "$out"; do
+    if ! kill -0 "$RAY_PID" 2>/dev/null; then
+      wait "$RAY_PID" || true
+      RAY_PID=""
+      return 1
+    fi
+    if ((SECONDS >= deadline)); then
+      stop_ray_node
+      return 1
+    fi
+    sleep 1
+  done
+  # Its record of the cluster (GCS address, our RAY_PORT) follows the start-up message.
+  local i
+  for ((i = 0; i < 20; i++)); do
+    if [[ -f $RAY_ADDRESS_FILE && $(<"$RAY_ADDRESS_FILE") == *":$RAY_PORT" ]]; then
+      RAY_RECORD=$(<"$RAY_ADDRESS_FILE")
+      break
+    fi
+    sleep 0.5
+  done
+}
+
+stop_ray_node() {
+  [[ -n $RAY_PID ]] || return 0
+  if kill -0 "$RAY_PID" 2>/dev/null; then
+    log "stopping this node's Ray (pid $RAY_PID, started by this launcher)"
+    kill -TERM "$RAY_PID" 2>/dev/null || true
+    local i
+    for ((i = 0; i < 120; i++)); do
+      kill -0 "$RAY_PID" 2>/dev/null || break
+      sleep 0.5
+    done
+    # Still there after a minute: kill that one process; its children die with it (Ray ties them
+    # to their parent's life).
+    if kill -0 "$RAY_PID" 2>/dev/null; then kill -KILL "$RAY_PID" 2>/dev/null || true; fi
+  fi
+  wait "$RAY_PID" 2>/dev/null || true
+  RAY_PID=""
+  # `ray start` recorded this cluster as the machine's current one (a later plain ray.init() would
+  # try to join it); forget it if it is still our record, as `ray stop` would.
+  if [[ -n $RAY_RECORD && -f $RAY_ADDRESS_FILE && $(<"$RAY_ADDRESS_FILE") == "$RAY_RECORD" ]]; then
+    rm -f "$RAY_ADDRESS_FILE"
+  fi
+}
+
+stop_job() {
+  [[ -n $JOB_ID && $JOB_DONE == 0 ]] || return 0
+  log "stopping job $JOB_ID"
+  timeout 60 ray job stop --address "$DASHBOARD_URL" "$JOB_ID" >/dev/null 2>&1 || true
+  JOB_DONE=1
+}
+
+on_exit() {
+  local rc=$?
+  trap - EXIT INT TERM
+  set +e  # clean up everything, whatever fails on the way
+  [[ -n $CHILD_PID ]] && kill -TERM "$CHILD_PID" 2>/dev/null
+  stop_job
+  stop_ray_node
+  [[ -n ${SCRATCH:-} ]] && rm -rf "$SCRATCH"
+  [[ $DRY_RUN == 0 && -d ${RUN_LOG:-} ]] && log "logs: $RUN_LOG"
+  exit "$rc"
+}
+
+on_signal() {
+  log "caught SIG$1: stopping what this launcher started"
+  if [[ $1 == INT ]]; then exit 130; else exit 143; fi
+}
+
+# run_waiting <command...>: run in the background and wait, so that Ctrl-C is handled at once
+# (bash runs a trap only between commands, and `wait` is one it interrupts).
+CHILD_PID=""
+run_waiting() {
+  "$@" &
+  CHILD_PID=$!
+  local rc=0
+  wait "$CHILD_PID" || rc=$?
+  CHILD_PID=""
+  return "$rc"
+}
+
+# ---- main ----------------------------------------------------------------------------------------
+
+# launch_main <recipe> <algo> [--dry-run] [key=value ...]
+launch_main() {
+  LAUNCH_RECIPE=$1
+  LAUNCH_ALGO=$2
+  shift 2
+  set -euo pipefail
+  DRY_RUN=0
+  local overrides=() arg
+  for arg in "$@"; do
+    case $arg in
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help) launch_usage; exit 0 ;;
+      *=*) overrides+=("$arg") ;;
+      *) die 2 "argument '$arg': expected key.sub=value (a recipe override), --dry-run or --help" ;;
+    esac
+  done
+
+  RECIPE=${RECIPE:-$LAUNCH_RECIPE}
+  NNODES=${NNODES:-}
+  NPUS_PER_NODE=${NPUS_PER_NODE:-}
+  MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+  SOCKET_IFNAME=${SOCKET_IFNAME:-}
+  MODEL_PATH=${MODEL_PATH:-}
+  TRAIN_FILE=${TRAIN_FILE:-}
+  VAL_FILE=${VAL_FILE:-}
+  PARALLEL=${PARALLEL:-}
+  CKPT_DIR=${CKPT_DIR:-}
+  RAY_PORT=${RAY_PORT:-6379}
+  DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
+  JOIN_TIMEOUT_S=${JOIN_TIMEOUT_S:-600}
+  RAY_START_TIMEOUT_S=${RAY_START_TIMEOUT_S:-120}
+  LOG_DIR=${LOG_DIR:-logs}
+  NODE_IPS=${NODE_IPS:-}
+  NODE_ROLE=${NODE_ROLE:-}
+  NODE_IP=${NODE_IP:-}
+  HCCL_BUFFSIZE=${HCCL_BUFFSIZE:-}
+  RUNTIME_ENV=${RUNTIME_ENV:-}
+  PYTHON=${PYTHON:-python}
+  local name
+  for name in RAY_PORT DASHBOARD_PORT JOIN_TIMEOUT_S RAY_START_TIMEOUT_S; do
+    [[ ${!name} =~ ^[0-9]+$ ]] || die 2 "$name=${!name}: expected a whole number"
+  done
+  command -v ray >/dev/null || die 2 "the 'ray' command is not on PATH: install the package (pip install -e .) in this environment"
+  command -v ip >/dev/null || die 2 "the 'ip' command (iproute2) is needed to find this node's address and interface"
+
+  # Ray's token auth, explicit on every node so that servers and clients agree.
+  export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+  # Nothing to drain when this launcher stops its node: the job is over or being stopped.
+  export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
+  # Every address below is explicit; a RAY_ADDRESS left in the shell must not redirect a command.
+  unset RAY_ADDRESS
+
+  MASTER_IP=$(resolve_ip "$MASTER_ADDR")
+  [[ -n $MASTER_IP ]] || die 2 "MASTER_ADDR=$MASTER_ADDR: cannot resolve it to an IPv4 address"
+  if [[ -z $NODE_ROLE ]]; then
+    if is_local_ip "$MASTER_IP"; then NODE_ROLE="head"; else NODE_ROLE="worker"; fi
+  fi
+  [[ $NODE_ROLE == head || $NODE_ROLE == worker ]] || die 2 "NODE_ROLE=$NODE_ROLE: expected head or worker"
+
+  local stamp
+  stamp=$(date +%Y%m%d-%H%M%S)
+  RUN_LOG=$(realpath -m "$LOG_DIR")/$(basename "$RECIPE" .yaml)-$stamp-$NODE_ROLE-$(hostname -s)
+  if ((DRY_RUN)); then  # the prepared files go to a scratch folder: a dry run leaves nothing behind
+    SCRATCH=$(mktemp -d)
+    OUT_DIR=$SCRATCH
+  else
+    OUT_DIR=$RUN_LOG
+    mkdir -p "$RUN_LOG"
+    exec > >(tee -a "$RUN_LOG/launcher.log") 2> >(tee -a "$RUN_LOG/launcher.log" >&2)
+  fi
+  trap on_exit EXIT
+  trap 'on_signal INT' INT
+  trap 'on_signal TERM' TERM
+
+  log "$NODE_ROLE node $(hostname -s); recipe ${RECIPE}; algo $LAUNCH_ALGO"
+  log "MASTER_ADDR=$MASTER_ADDR RAY_PORT=$RAY_PORT DASHBOARD_PORT=$DASHBOARD_PORT JOIN_TIMEOUT_S=$JOIN_TIMEOUT_S LOG_DIR=$LOG_DIR PARALLEL=${PARALLEL:-(from the recipe)}"
+
+  # 1. The recipe and layout, checked exactly as the job will load them, before anything starts.
+  local status=0 dry=()
+  ((DRY_RUN)) && dry=(--dry-run)
+  "$PYTHON" -m recipe.cluster prepare --recipe "$RECIPE" --algo "$LAUNCH_ALGO" --role "$NODE_ROLE" \
+    --out-dir "$OUT_DIR" --nnodes "$NNODES" --devices-per-node "$NPUS_PER_NODE" --parallel "$PARALLEL" \
+    --model-path "$MODEL_PATH" --train-file "$TRAIN_FILE" --val-file "$VAL_FILE" --ckpt-dir "$CKPT_DIR" \
+    --hccl-buffsize "$HCCL_BUFFSIZE" --runtime-env "$RUNTIME_ENV" "${dry[@]}" \
+    -- "${overrides[@]}" || status=$?
+  ((status == 0)) || die "$status" "the checks above failed; nothing was started"
+  # NNODES, NPUS_PER_NODE, DEVICE, DEVICE_RESOURCE, RUN_DIR, EXPERIMENT, HCCL_BUFFSIZE_MB as resolved
+  # shellcheck source=/dev/null
+  source "$OUT_DIR/cluster.env"
+  mapfile -t JOB_ARGS <"$OUT_DIR/job_args"
+
+  if ((NNODES > 1)) && [[ $MASTER_IP == 127.* ]]; then
+    die 2 "NNODES=$NNODES but MASTER_ADDR=$MASTER_ADDR is a loopback address: set MASTER_ADDR to the head node's address, the same on every node"
+  fi
+  if [[ -z $NODE_IP ]]; then
+    if [[ $NODE_ROLE == head ]]; then NODE_IP=$MASTER_IP; else NODE_IP=$(route_field "$MASTER_IP" src); fi
+  fi
+  if [[ -z $SOCKET_IFNAME ]]; then
+    SOCKET_IFNAME=$(ifname_of_ip "$NODE_IP")
+    [[ -n $SOCKET_IFNAME ]] || SOCKET_IFNAME=$(route_field "$MASTER_IP" dev)
+  fi
+  [[ -n $NODE_IP && -n $SOCKET_IFNAME ]] || die 2 "cannot find this node's address and interface on the route to $MASTER_IP: set NODE_IP and SOCKET_IFNAME"
+  # Per node (interface names differ between nodes): exported before `ray start`, so every Ray
+  # worker of this node inherits them.
+  for name in HCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
+    export "$name=${!name:-$SOCKET_IFNAME}"
+  done
+
+  local resources=()
+  case $DEVICE in
+    npu) resources=(--resources "{\"NPU\": $NPUS_PER_NODE}") ;;
+    cuda) resources=(--num-gpus "$NPUS_PER_NODE") ;;
+    *) resources=(--num-cpus "$(( $(nproc) > NPUS_PER_NODE ? $(nproc) : NPUS_PER_NODE ))") ;;
+  esac
+  DASHBOARD_URL=http://127.0.0.1:$DASHBOARD_PORT
+  # The commands, built once: the dry run prints them, the real run runs them.
+  JOB_NAME="moe-rl-${EXPERIMENT//[^A-Za-z0-9_.-]/_}-$stamp-$$"
+  HEAD_CMD=(ray start --head --block --port "$RAY_PORT" --node-ip-address "$NODE_IP"
+    --dashboard-port "$DASHBOARD_PORT" --disable-usage-stats "${resources[@]}")
+  WAIT_CMD=("$PYTHON" -m recipe.cluster wait-nodes --dashboard "$DASHBOARD_URL" --address "$MASTER_IP:$RAY_PORT"
+    --expect "$NNODES" --timeout "$JOIN_TIMEOUT_S" --resource "$DEVICE_RESOURCE" --per-node "$NPUS_PER_NODE"
+    --node-ips "$NODE_IPS")
+  SUBMIT_CMD=(ray job submit --address "$DASHBOARD_URL" --submission-id "$JOB_NAME"
+    --runtime-env "$RUN_LOG/runtime_env.yaml" -- "$PYTHON" -m "recipe.main_$LAUNCH_ALGO" "${JOB_ARGS[@]}")
+  WORKER_BASE=(ray start --address "$MASTER_IP:$RAY_PORT" --block --disable-usage-stats "${resources[@]}")
+  WORKER_CMD=("${WORKER_BASE[@]}" --node-ip-address "$NODE_IP")
+
+  if ((DRY_RUN)); then
+    dry_run_report
+    return 0
+  fi
+  log "this node: $NODE_IP on $SOCKET_IFNAME; cluster: $NNODES node(s) x $NPUS_PER_NODE $DEVICE"
+  check_auth_token
+  if [[ $NODE_ROLE == head ]]; then
+    run_head
+  else
+    run_worker
+  fi
+}
+
+check_auth_token() {
+  [[ $RAY_AUTH_MODE == token ]] || return 0
+  local file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+  [[ -n ${RAY_AUTH_TOKEN:-} || -s $file ]] && return 0
+  if [[ $NODE_ROLE == head ]]; then
+    ray get-auth-token --generate >/dev/null
+    log "generated Ray's auth token in $file: give it to every worker node (same file, or RAY_AUTH_TOKEN)"
+  else
+    die 2 "Ray token auth is on and this node has no token: copy the head's ~/.ray/auth_token here or set RAY_AUTH_TOKEN (or RAY_AUTH_MODE=disabled on every node of a trusted network)"
+  fi
+}
+
+# quote_cmd <command...>: the command as one line a shell reads back the same (single quotes
+# only where an argument needs them).
+quote_cmd() {
+  local arg out=()
+  for arg in "$@"; do
+    if [[ $arg =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+      out+=("$arg")
+    else
+      out+=("'${arg//\'/\'\\\'\'}'")
+    fi
+  done
+  echo "${out[*]}"
+}
+
+dry_run_report() {
+  local name
+  echo
+  echo "== dry run: nothing was started =="
+  echo "this node: $NODE_ROLE ($NODE_IP on $SOCKET_IFNAME); cluster: $NNODES node(s) x $NPUS_PER_NODE $DEVICE"
+  echo "environment of every Ray process on this node (exported before ray start):"
+  for name in RAY_AUTH_MODE RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S HCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
+    echo "  export $name=${!name}"
+  done
+  echo "runtime env of the job (every worker):"
+  sed 's/^/  /' "$OUT_DIR/runtime_env.yaml"
+  echo "head node ($MASTER_IP) runs:"
+  printf '  %s\n' "$(quote_cmd "${HEAD_CMD[@]}")" "$(quote_cmd "${WAIT_CMD[@]}")" "$(quote_cmd "${SUBMIT_CMD[@]}")"
+  if ((NNODES > 1)); then
+    echo "each of the $((NNODES - 1)) worker node(s) runs:"
+    # From the head, a worker's address is unknown: it is the worker's own on the route to the head.
+    local worker_ip=$NODE_IP
+    [[ $NODE_ROLE == head ]] && worker_ip="<its address on the route to $MASTER_IP>"
+    printf '  %s\n' "$(quote_cmd "${WORKER_BASE[@]}" --node-ip-address "$worker_ip")"
+  fi
+  echo "then the head stops its Ray when the job ends; the workers stop theirs when the head is gone."
+}
+
+run_head() {
+  log "starting Ray head on $NODE_IP:$RAY_PORT ($NPUS_PER_NODE $DEVICE)"
+  start_ray_node "$RUN_LOG/ray_head.log" "${HEAD_CMD[@]}" ||
+    die 1 "ray start --head failed (log $RUN_LOG/ray_head.log): $(tail -n 3 "$RUN_LOG/ray_head.log" | tr '\n' ' ')"
+  log "waiting up to ${JOIN_TIMEOUT_S}s for $NNODES node(s)"
+  run_waiting "${WAIT_CMD[@]}" || die 1 "not all nodes joined; nothing was submitted"
+  log "submitting job $JOB_NAME: python -m recipe.main_$LAUNCH_ALGO ${JOB_ARGS[*]}"
+  JOB_ID=$JOB_NAME
+  run_waiting "${SUBMIT_CMD[@]}" > >(tee "$RUN_LOG/job.log") 2>&1 || true
+  local job_status
+  job_status=$("$PYTHON" -m recipe.cluster job-status --dashboard "$DASHBOARD_URL" --id "$JOB_NAME" 2>&1 | tail -n 1) || true
+  case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_DONE=1 ;; esac
+  log "job $JOB_NAME: $job_status; run directory: $RUN_DIR"
+  [[ $job_status == SUCCEEDED ]] || die 1 "job $JOB_NAME did not succeed ($job_status; log $RUN_LOG/job.log)"
+}
+
+run_worker() {
+  local deadline=$((SECONDS + JOIN_TIMEOUT_S)) attempt=0 reason
+  while :; do
+    attempt=$((attempt + 1))
+    if head_reachable; then
+      if start_ray_node "$RUN_LOG/ray_worker.log" "${WORKER_CMD[@]}"; then
+        break
+      fi
+      reason="ray start failed: $(tail -n 2 "$RUN_LOG/ray_worker.log" | tr '\n' ' ')"
+    else
+      reason="the head $MASTER_IP:$RAY_PORT does not answer"
+    fi
+    ((SECONDS < deadline)) || die 1 "could not join the Ray head at $MASTER_IP:$RAY_PORT within ${JOIN_TIMEOUT_S}s ($attempt attempts; last: $reason). Start the launcher on the head ($MASTER_ADDR) too, and check RAY_PORT and the firewall"
+    log "attempt $attempt: $reason; retrying ($((deadline - SECONDS))s left)"
+    sleep 5
+  done
+  log "joined the Ray cluster at $MASTER_IP:$RAY_PORT as $NODE_IP; staying until the head's job ends"
+  local misses=0
+  while :; do
+    kill -0 "$RAY_PID" 2>/dev/null || die 1 "this node's Ray exited unexpectedly (log $RUN_LOG/ray_worker.log)"
+    if head_reachable; then misses=0; else misses=$((misses + 1)); fi
+    if ((misses >= 3)); then
+      log "the head $MASTER_IP:$RAY_PORT is gone (its job ended or it stopped)"
+      return 0
+    fi
+    sleep 5
+  done
+}

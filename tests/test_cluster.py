@@ -1,0 +1,114 @@
+"""recipe.cluster (what the launchers ask Python for) and the worker group's node choice, without Ray."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from megatron_bridge.errors import ConfigError
+from megatron_bridge.mc2 import Mc2Plan
+from recipe.cluster import join_report, launcher_overrides, main, runtime_env
+from recipe.config import load_config
+from recipe.worker_group import ClusterError, pick_nodes
+
+REPO = Path(__file__).resolve().parents[1]
+MC2 = REPO / "configs/runtime_env/mc2.yaml"
+PLAN = Mc2Plan(True, "mc2", "A2 with EP=16", 64, 300, 320)
+NO_MC2 = Mc2Plan(False, "n/a", "not an NPU cluster", 32, 0, 200)
+
+
+def inputs(**given) -> argparse.Namespace:
+    keys = ("nnodes", "devices_per_node", "parallel", "model_path", "train_file", "val_file", "ckpt_dir")
+    return argparse.Namespace(**{k: given.get(k, "") for k in keys})
+
+
+def test_launcher_inputs_become_overrides_the_recipe_accepts(tmp_path):
+    (tmp_path / "a b.parquet").touch()
+    args = inputs(nnodes="2", devices_per_node="8", parallel="qwen3_30b_a3b_2x8_a2", model_path="rel/model",
+                  train_file=f"{tmp_path}/a b.parquet,builtin:tiny", ckpt_dir="runs/x")
+    out = launcher_overrides(args)
+    assert out[:3] == ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", 'parallel="qwen3_30b_a3b_2x8_a2"']
+    cfg = load_config("qwen3_30b_a3b_gspo", out)
+    assert cfg.layout.cluster.nnodes == 2 and cfg.layout.cluster.devices_per_node == 8
+    assert cfg.layout.name == "qwen3_30b_a3b_2x8_a2"
+    assert cfg.actor_rollout_ref.model.path == str(Path("rel/model").resolve())  # absolute for the job
+    assert cfg.data.train_files == [f"{tmp_path}/a b.parquet", "builtin:tiny"]  # spaces survive, builtin kept
+    assert cfg.trainer.default_local_dir == str(Path("runs/x").resolve())
+    assert launcher_overrides(inputs()) == []  # nothing given: the recipe's own values
+
+
+def test_runtime_env_takes_the_planners_buffer_unless_the_user_sets_one(tmp_path):
+    env, notes = runtime_env(str(MC2), PLAN, None)
+    assert env["env_vars"]["HCCL_BUFFSIZE"] == "320" and "planner" in notes[0]
+    assert env["env_vars"]["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    env, notes = runtime_env(str(MC2), PLAN, "640")
+    assert env["env_vars"]["HCCL_BUFFSIZE"] == "640" and "yours" in notes[0]
+    env, notes = runtime_env(str(MC2), PLAN, "256")
+    assert env["env_vars"]["HCCL_BUFFSIZE"] == "256" and "below the 300 MB" in notes[0]
+    env, notes = runtime_env(str(REPO / "configs/runtime_env/base.yaml"), NO_MC2, None)
+    assert "HCCL_BUFFSIZE" not in env["env_vars"] and notes == []
+    # A value in the template counts as the user's.
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump({"env_vars": {"HCCL_BUFFSIZE": 512, "X": 1}, "pip": ["foo"]}))
+    env, _ = runtime_env(str(own), PLAN, None)
+    assert env == {"env_vars": {"HCCL_BUFFSIZE": "512", "X": "1"}, "pip": ["foo"]}
+
+
+def test_runtime_env_errors_name_the_input(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("env_vars: [a, b]\n")
+    with pytest.raises(ConfigError, match="bad.yaml: expected a mapping with an env_vars mapping"):
+        runtime_env(str(bad), PLAN, None)
+    with pytest.raises(ConfigError, match="HCCL_BUFFSIZE='lots'"):
+        runtime_env(str(MC2), PLAN, "lots")
+
+
+def node(ip: str, npu: int = 0, head: bool = False, alive: bool = True) -> dict:
+    resources = {"CPU": 4.0, f"node:{ip}": 1.0, **({"NPU": float(npu)} if npu else {})}
+    if head:
+        resources["node:__internal_head__"] = 1.0
+    return {"NodeManagerAddress": ip, "Alive": alive, "Resources": resources}
+
+
+def test_pick_nodes_takes_whole_nodes_head_first():
+    nodes = [node("10.0.0.3", 16), node("10.0.0.2", 8), node("10.0.0.9", 16, head=True), node("10.0.0.1", 16, alive=False)]
+    picked = pick_nodes(nodes, 2, 16, "NPU")
+    assert [n["NodeManagerAddress"] for n in picked] == ["10.0.0.9", "10.0.0.3"]
+    with pytest.raises(ClusterError, match=r"has 2 such node\(s\).*10.0.0.2 \(8 NPU\)"):
+        pick_nodes(nodes, 3, 16, "NPU")
+    assert len(pick_nodes([node("a"), node("b", head=True)], 2, 1, None)) == 2  # CPU: any alive node
+
+
+def test_join_report_names_joined_and_missing_nodes():
+    joined = [SimpleNamespace(node_ip="10.0.0.1", resources_total={"NPU": 16.0})]
+    text = join_report(joined, 3, ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "NPU", 16, "10.0.0.1:6379", 30)
+    assert "only 1 of 3 nodes joined" in text and "joined: 10.0.0.1, 16 NPU" in text
+    assert "missing: 10.0.0.2, 10.0.0.3" in text
+    assert "missing: 2 node(s) (set NODE_IPS" in join_report(joined, 3, [], "NPU", 16, "h:1", 30)
+    short = joined + [SimpleNamespace(node_ip="10.0.0.2", resources_total={"NPU": 8.0})]
+    assert "10.0.0.2 offer fewer than the 16 NPU" in join_report(short, 2, [], "NPU", 16, "h:1", 30)
+    assert join_report(joined, 1, [], "NPU", 16, "h:1", 30) is None
+
+
+def test_prepare_writes_the_jobs_inputs_and_fails_cleanly(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["prepare", "--recipe", "qwen3_30b_a3b_grpo", "--algo", "grpo", "--out-dir", str(out), "--dry-run",
+               "--parallel", "qwen3_30b_a3b_4x8_a2", "--", "trainer.total_training_steps=7"])
+    assert rc == 0
+    env = dict(line.split("=", 1) for line in (out / "cluster.env").read_text().splitlines())
+    assert env["NNODES"] == "4" and env["NPUS_PER_NODE"] == "8" and env["DEVICE_RESOURCE"] == "NPU"
+    assert env["HCCL_BUFFSIZE_MB"] == "320"  # the seeds' layout: MC2 needs 304 MB, rounded up to 32
+    args = (out / "job_args").read_text().splitlines()
+    assert args[:2] == ["--config", str(REPO / "configs/recipe/qwen3_30b_a3b_grpo.yaml")]
+    assert args[-1] == "trainer.total_training_steps=7"
+    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["total_training_steps"] == 7
+    # A real run (not --dry-run) refuses inputs that are not on this node, before writing anything.
+    rc = main(["prepare", "--recipe", "qwen3_30b_a3b_grpo", "--out-dir", str(tmp_path / "real")])
+    assert rc == 1 and not (tmp_path / "real").exists()
+    assert "data.train_files='/data/dapo-math-17k.parquet' does not exist on this node" in capsys.readouterr().err
+    rc = main(["prepare", "--recipe", "tiny_gspo", "--out-dir", str(tmp_path / "x"), "--", "trainer.nnodes=3"])
+    assert rc == 2 and "invalid config" in capsys.readouterr().err
