@@ -129,8 +129,9 @@ def prepare(args: argparse.Namespace) -> int:
                         ("VAL_FILE", ",".join(cfg.data.val_files)), ("CKPT_DIR", run_dir)):
         print(f"  {name:<14} {value}")
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    verdict = evaluate(model_spec(cfg, recipe), cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
-    print_verdict(model_spec(cfg, recipe), verdict, seq_len)
+    spec = model_spec(cfg, recipe)
+    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
+    print_verdict(spec, verdict, seq_len)
 
     template = args.runtime_env or os.path.join(RUNTIME_ENV_DIR, RUNTIME_ENV_FOR_DEVICE[cluster.device])
     env, notes = runtime_env(template, verdict.mc2, args.hccl_buffsize)
@@ -162,7 +163,7 @@ def prepare(args: argparse.Namespace) -> int:
 def alive_nodes(dashboard: str) -> list:
     from ray.util.state import list_nodes
 
-    return [n for n in list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)]
+    return list(list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False))
 
 
 def _describe(node, resource: str | None) -> str:
@@ -193,14 +194,13 @@ def wait_nodes(args: argparse.Namespace) -> int:
     node_ips = [ip for ip in (args.node_ips or "").split(",") if ip]
     deadline = time.monotonic() + args.timeout
     nodes: list = []
+    error: Exception | None = None
     seen = -1
     while True:
         try:
-            nodes = alive_nodes(args.dashboard)
-        except Exception as e:  # noqa: BLE001  (the dashboard may still be starting: keep asking until the deadline)
-            nodes, error = [], e
-        else:
-            error = None
+            nodes, error = alive_nodes(args.dashboard), None
+        except Exception as e:  # noqa: BLE001  (the dashboard may still be starting: ask again until the deadline)
+            error = e
         if len(nodes) != seen:
             seen = len(nodes)
             print(f"nodes joined: {seen}/{args.expect} ({', '.join(sorted(n.node_ip for n in nodes)) or 'none yet'})", flush=True)

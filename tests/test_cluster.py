@@ -112,3 +112,27 @@ def test_prepare_writes_the_jobs_inputs_and_fails_cleanly(tmp_path, capsys):
     assert "data.train_files='/data/dapo-math-17k.parquet' does not exist on this node" in capsys.readouterr().err
     rc = main(["prepare", "--recipe", "tiny_gspo", "--out-dir", str(tmp_path / "x"), "--", "trainer.nnodes=3"])
     assert rc == 2 and "invalid config" in capsys.readouterr().err
+
+
+def test_wait_nodes_follows_the_joins_and_survives_a_slow_dashboard(monkeypatch, capsys):
+    import recipe.cluster as cluster
+
+    a = SimpleNamespace(node_ip="10.0.0.1", resources_total={"NPU": 8.0})
+    b = SimpleNamespace(node_ip="10.0.0.2", resources_total={"NPU": 8.0})
+    answers = iter([ConnectionError("starting"), [a], [a], [a, b]])
+
+    def alive(_):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(cluster, "alive_nodes", alive)
+    args = ["wait-nodes", "--dashboard", "http://h:8265", "--address", "h:6379", "--expect", "2", "--timeout", "30",
+            "--resource", "NPU", "--per-node", "8", "--poll", "0"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "nodes joined: 1/2 (10.0.0.1)" in out and "all 2 node(s) joined: 10.0.0.1, 8 NPU, 10.0.0.2, 8 NPU" in out
+    monkeypatch.setattr(cluster, "alive_nodes", lambda _: (_ for _ in ()).throw(ConnectionError("refused")))
+    assert main(args[:8] + ["0"] + args[9:]) == 1
+    assert "the Ray dashboard at http://h:8265 did not answer within 0 s: refused" in capsys.readouterr().err
