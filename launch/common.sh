@@ -71,8 +71,7 @@ head_reachable() { timeout 3 bash -c "exec 3<>/dev/tcp/$MASTER_IP/$RAY_PORT" 2>/
 RAY_PID=""
 RAY_ADDRESS_FILE=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster  # where `ray start` records its cluster
 RAY_RECORD=""
-JOB_ID=""
-JOB_DONE=0
+JOB_ID=""  # set while this launcher's job may still be running
 
 # start_ray_node <log> <command...>: run `ray start --block` in the background and wait until it
 # reports the node up. --block keeps the Ray processes children of that one process, so stopping
@@ -130,10 +129,10 @@ stop_ray_node() {
 }
 
 stop_job() {
-  [[ -n $JOB_ID && $JOB_DONE == 0 ]] || return 0
+  [[ -n $JOB_ID ]] || return 0
   log "stopping job $JOB_ID"
   timeout 60 ray job stop --address "$DASHBOARD_URL" "$JOB_ID" >/dev/null 2>&1 || true
-  JOB_DONE=1
+  JOB_ID=""
 }
 
 on_exit() {
@@ -367,7 +366,7 @@ run_head() {
   run_waiting "${SUBMIT_CMD[@]}" > >(tee "$RUN_LOG/job.log") 2>&1 || true
   local job_status
   job_status=$("$PYTHON" -m recipe.cluster job-status --dashboard "$DASHBOARD_URL" --id "$JOB_NAME" 2>&1 | tail -n 1) || true
-  case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_DONE=1 ;; esac
+  case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_ID="" ;; esac
   log "job $JOB_NAME: $job_status; run directory: $RUN_DIR"
   [[ $job_status == SUCCEEDED ]] || die 1 "job $JOB_NAME did not succeed ($job_status; log $RUN_LOG/job.log)"
 }

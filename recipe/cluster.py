@@ -27,10 +27,10 @@ from typing import Sequence
 import yaml
 
 from megatron_bridge.errors import ConfigError
+from recipe.config import BUILTIN_TINY
 
 RUNTIME_ENV_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "runtime_env")
 RUNTIME_ENV_FOR_DEVICE = {"npu": "mc2.yaml", "cuda": "base.yaml", "cpu": "base.yaml"}
-BUILTIN_PREFIX = "builtin:"
 
 
 class MissingError(RuntimeError):
@@ -42,7 +42,7 @@ class MissingError(RuntimeError):
 
 def _absolute(path: str) -> str:
     """Paths go to the job absolute, so they mean the same wherever Ray runs it."""
-    return path if path.startswith(BUILTIN_PREFIX) else os.path.abspath(path)
+    return path if path == BUILTIN_TINY else os.path.abspath(path)
 
 
 def launcher_overrides(args: argparse.Namespace) -> list[str]:
@@ -102,7 +102,7 @@ def missing_paths(cfg, role: str) -> list[str]:
         wanted += [("data.train_files", p) for p in cfg.data.train_files]
         wanted += [("data.val_files", p) for p in cfg.data.val_files]
     return [f"{key}={path!r} does not exist on this node" for key, path in wanted
-            if not path.startswith(BUILTIN_PREFIX) and not os.path.exists(path)]
+            if path != BUILTIN_TINY and not os.path.exists(path)]
 
 
 def _write(path: str, text: str) -> None:

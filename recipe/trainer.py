@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from recipe.advantage import grpo_advantages, token_advantages
-from recipe.config import RecipeConfig, config_to_dict
+from recipe.config import BUILTIN_TINY, RecipeConfig, config_to_dict
 from recipe.data import BatchSampler, PromptDataset, PromptSample, val_batches
 from recipe.loggers import Tracking, ascii_curve, read_jsonl
 from recipe.metrics import Timer, data_metrics, mean_metrics, moe_load_metrics, throughput_metrics
@@ -29,7 +29,6 @@ from recipe.reward import OverlongConfig, RewardInput, compute_rewards, make_rew
 from recipe.rollout.base import SamplingParams, request_seed
 from recipe.worker_group import WorkerGroup, init_ray
 
-BUILTIN = "builtin:tiny"
 CHECKPOINT_PREFIX = "global_step_"
 TRAINER_STATE = "trainer_state.json"
 
@@ -51,13 +50,13 @@ def cache_dir() -> str:
 def resolve_builtin(cfg: RecipeConfig) -> tuple[str, list[str], list[str]]:
     """The model dir and data files, with ``builtin:tiny`` replaced by the built-in task's."""
     model, train, val = cfg.actor_rollout_ref.model.path, list(cfg.data.train_files), list(cfg.data.val_files)
-    if BUILTIN in (model, *train, *val):
+    if BUILTIN_TINY in (model, *train, *val):
         from recipe.tiny_task import prepare_builtin
 
         task = prepare_builtin(cache_dir(), seed=0)
-        model = task.model_dir if model == BUILTIN else model
-        train = [task.train_file if f == BUILTIN else f for f in train]
-        val = [task.val_file if f == BUILTIN else f for f in val]
+        model = task.model_dir if model == BUILTIN_TINY else model
+        train = [task.train_file if f == BUILTIN_TINY else f for f in train]
+        val = [task.val_file if f == BUILTIN_TINY else f for f in val]
     return model, train, val
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -35,5 +35,5 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
 
 def run_ranks(fn, world_size: int, tmp_path, *args) -> list:
     """fn(rank, world_size, *args) -> JSON-able, on every rank; returns the results by rank."""
-    mp.spawn(_entry, args=(world_size, _free_port(), str(tmp_path), fn, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, free_port(), str(tmp_path), fn, args), nprocs=world_size, join=True)
     return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]

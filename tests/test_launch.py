@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ import pytest
 import yaml
 
 from recipe.loggers import read_jsonl
+from tests.distributed import free_port
+from tests.test_recipe_e2e import stable
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").glob("*.sh"))
@@ -24,14 +25,7 @@ GSPO_30B = "launch/qwen3_30b_a3b_gspo.sh"
 TINY = "launch/tiny_gspo.sh"
 # Short runs: 2 RL steps, no validation.
 TINY_ARGS = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
-VOLATILE = ("timing_s/", "perf/", "reshard/export_s")
 RAY_DAEMONS = {"raylet", "gcs_server"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher_env(tmp_path: Path, **extra: str) -> dict:
@@ -82,10 +76,6 @@ def local_address() -> str | None:
     out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
     ips = [line.split()[3].split("/")[0] for line in out.splitlines()]
     return next((ip for ip in ips if not ip.startswith("127.")), None)
-
-
-def stable(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith(VOLATILE)}
 
 
 # --- static ---------------------------------------------------------------------------------------

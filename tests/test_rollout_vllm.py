@@ -10,7 +10,6 @@ real single-rank engine on the tiny model; they need vLLM and a GPU (or vLLM-Asc
 import glob
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from collections import namedtuple
@@ -27,6 +26,7 @@ from megatron_bridge.model_spec import load_hf_config
 from megatron_bridge.tiny_model import save_tiny_checkpoint, tiny_hf_model
 from recipe.rollout import vllm_engine as ve
 from recipe.rollout.base import Generation, SamplingParams, WeightLoadError, check_prompts, request_seed
+from tests.distributed import free_port
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROMPTS = [[5, 17, 300, 41], [9, 88, 7, 130, 250, 3, 61, 11, 400], [77]]
@@ -434,12 +434,6 @@ def test_cpu_platform_points_to_the_hf_engine(tiny_dir):
 # -- a real engine (vLLM on a GPU, vLLM-Ascend on an NPU) ----------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("npu", marks=pytest.mark.npu)])
 def engine(request, tiny_dir):
     """One rank of a colocated engine: torch.distributed started first, as the trainer does."""
@@ -451,7 +445,7 @@ def engine(request, tiny_dir):
     import torch.distributed as dist
 
     saved = dict(os.environ)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     device = getattr(torch, request.param)
     device.set_device(0)
     dist.init_process_group("hccl" if request.param == "npu" else "nccl")
