@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Throughput of the megatron actor on CPU gloo ranks, per parallel layout (issue 3).
+"""Throughput of the megatron actor on CPU gloo ranks, per parallel layout.
 
     python bench/actor_throughput.py                                  # every layout, print tables
     python bench/actor_throughput.py --layouts single ep2 --steps 3
@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 import torch  # noqa: E402
 
 from bench.common import cpu_cores, free_port, has_generated_block, machine_facts, markers, write_doc  # noqa: E402
-from megatron_bridge.layout import TrainParallel  # noqa: E402
+from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/actor_throughput.py"
 
@@ -258,9 +258,9 @@ def _torch_profile(fn: Callable[[], Any], path: Path, rows: int = 15) -> None:
 
 def build_actor(train: TrainParallel, checkpoint: str):
     """This rank's fp32 actor with the checkpoint loaded (parallel state must be initialised)."""
-    from megatron_bridge.actor import MegatronActor, OptimConfig
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=torch.float32), OptimConfig(),
                           "cpu")
@@ -282,7 +282,7 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, steps: i
     """This rank's numbers for one layout (torch.distributed and the CPU platform are up): per
     measured step the log-prob pass, whose log-probs become ``old_log_probs``, then a train step."""
     from loss.megatron_hook import ActorLossConfig, log_prob_func, policy_loss_func
-    from megatron_bridge.actor import initialize_parallel
+    from megatron_bridge.runtime.actor import initialize_parallel
 
     initialize_parallel(LAYOUTS[layout].train)
     actor = build_actor(LAYOUTS[layout].train, checkpoint)
@@ -327,7 +327,7 @@ def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, threads: in
         warnings.filterwarnings("ignore", message=message)
     import torch.distributed as dist
 
-    from megatron_bridge import platform
+    from megatron_bridge.runtime import platform
 
     platform.activate("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

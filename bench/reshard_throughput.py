@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Throughput of the rollout weight stream (megatron_bridge.export) on CPU gloo ranks (issue 4).
+"""Throughput of the rollout weight stream (megatron_bridge.weights.export) on CPU gloo ranks.
 
     python bench/reshard_throughput.py                                # every layout, print tables
     python bench/reshard_throughput.py --layouts ep2 --buckets 256 --repeats 2
@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 import torch  # noqa: E402
 
 from bench.common import cpu_cores, free_port, has_generated_block, machine_facts, markers, write_doc  # noqa: E402
-from megatron_bridge.layout import TrainParallel  # noqa: E402
+from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/reshard_throughput.py"
 MID_SIZE = dict(
@@ -108,7 +108,7 @@ def memcpy_gbps(dist, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
 
 def baseline_stream(exporter, dist):
     """Every full tensor gathered to rank 0 (one message per piece), then broadcast to all ranks."""
-    from megatron_bridge.export import _LocalPieces
+    from megatron_bridge.weights.export import _LocalPieces
 
     local = _LocalPieces(exporter.chunks, exporter.spec)
     rank = dist.get_rank()
@@ -151,10 +151,10 @@ def timed_sync(stream_fn, destinations: dict, dist, repeats: int) -> dict:
 def measure(rank: int, layout: str, config_dir: str, buckets: list[float], repeats: int) -> list[dict]:
     import torch.distributed as dist
 
-    from megatron_bridge.actor import initialize_parallel
-    from megatron_bridge.export import Routing, WeightExporter
-    from megatron_bridge.model import BuildOptions, build_model_chunks
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import initialize_parallel
+    from megatron_bridge.weights.export import Routing, WeightExporter
+    from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     train = LAYOUTS[layout]
     initialize_parallel(train)
@@ -188,7 +188,7 @@ def measure(rank: int, layout: str, config_dir: str, buckets: list[float], repea
 
 def _zero_copy(exporter, rank) -> int:
     """Bytes yielded straight from this rank's shard (held whole, in the rollout dtype)."""
-    from megatron_bridge.export import Piece
+    from megatron_bridge.weights.export import Piece
 
     whole = [n for n in exporter.names if rank in exporter.routing.destinations(n)
              and rank in exporter.holders.get(Piece(n, None, None), [])]
@@ -202,7 +202,7 @@ def _rank_entry(rank, world, port, out_dir, layout, config_dir, buckets, repeats
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    from megatron_bridge import platform
+    from megatron_bridge.runtime import platform
 
     platform.activate("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -273,7 +273,7 @@ def report(rows: list[dict], command: str, repeats: int, load_before: float) -> 
 
 
 def _param_bytes() -> int:
-    from megatron_bridge.model_spec import spec_from_hf_dict
+    from megatron_bridge.plan.model_spec import spec_from_hf_dict
 
     return 2 * spec_from_hf_dict(MID_SIZE, name="mid-size", source=SCRIPT).total_params
 
@@ -283,8 +283,8 @@ def paper_estimate(model: str = "qwen3_30b_a3b", layout_name: str = "qwen3_30b_a
     EP-aware routing, for the shipped layout. The local part (zero-copy views and one copy into the
     engine) runs at HBM bandwidth on the NPU and is left out; the CPU numbers above show it costs
     about one memcpy of the delivered bytes."""
-    from megatron_bridge.layout import load_layout
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.plan.layout import load_layout
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     spec, layout = load_model_spec(model), load_layout(layout_name)
     train, rollout = layout.train, layout.rollout

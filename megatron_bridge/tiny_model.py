@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_bridge.model_spec import load_hf_config
+from megatron_bridge.plan.model_spec import load_hf_config
 
 TINY = "tiny_qwen3_moe"
 

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _train_parallel(args: argparse.Namespace):
-    from megatron_bridge.layout import TrainParallel
+    from megatron_bridge.plan.layout import TrainParallel
 
     return TrainParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
                          sequence_parallel=args.tp > 1)
@@ -72,9 +72,9 @@ def _train_parallel(args: argparse.Namespace):
 
 def check_layout(args: argparse.Namespace, world_size: int, device: str):
     """(spec, train layout); raises ConfigError with every violated training rule."""
-    from megatron_bridge.layout import Cluster, Layout
-    from megatron_bridge.model_spec import load_model_spec
-    from megatron_bridge.validate import validate
+    from megatron_bridge.plan.layout import Cluster, Layout
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.plan.validate import validate
 
     spec = load_model_spec(args.hf_dir)
     train = _train_parallel(args)
@@ -122,8 +122,8 @@ def round_trip(chunks, spec, hf_dir: str, dtype: torch.dtype) -> tuple[list[str]
     checkpoint's (cast to the model dtype) bit for bit: (names received, names that differ, bytes).
     Rollout expert parallel is as wide as the experts and ranks allow, so each rank checks the
     dense tensors and its share of the experts."""
-    from megatron_bridge.export import Routing, WeightExporter
-    from megatron_bridge.hf_checkpoint import HFCheckpoint
+    from megatron_bridge.weights.export import Routing, WeightExporter
+    from megatron_bridge.weights.hf_checkpoint import HFCheckpoint
 
     world = torch.distributed.get_world_size()
     routing = Routing(world, spec.num_experts, math.gcd(spec.num_experts, world))
@@ -140,7 +140,7 @@ def round_trip(chunks, spec, hf_dir: str, dtype: torch.dtype) -> tuple[list[str]
 
 def hub_names(hf_dir: str) -> set[str]:
     """The checkpoint's tensor names as on the Hub (transformers-5 fused experts split per expert)."""
-    from megatron_bridge.hf_checkpoint import HFCheckpoint
+    from megatron_bridge.weights.hf_checkpoint import HFCheckpoint
 
     with HFCheckpoint(hf_dir) as ckpt:
         names = set()
@@ -158,9 +158,9 @@ def run(args: argparse.Namespace) -> dict:
     """The checks on this rank (torch.distributed must be initialised); rank 0's report."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.actor import MegatronActor, initialize_parallel
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.platform import active
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.platform import active
 
     platform = active()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict:
     actor = MegatronActor(spec, train, BuildOptions(params_dtype=DTYPES[dtype]), None, platform.name)
     mismatched: list[str] = []
     if args.backend == "mbridge":
-        from megatron_bridge.mbridge_backend import load_with_mbridge
+        from megatron_bridge.weights.mbridge_backend import load_with_mbridge
 
         mismatched = load_with_mbridge(actor.chunks, spec, args.hf_dir)
         bytes_read = 0  # mbridge reads on one rank per TP group and scatters
@@ -250,7 +250,7 @@ def minimal_world(args: argparse.Namespace) -> int:
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Check the layout here, then run this module under torchrun on this node."""
-    from megatron_bridge import platform
+    from megatron_bridge.runtime import platform
 
     nproc = args.nproc_per_node or minimal_world(args)
     try:
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rank(args: argparse.Namespace) -> int:
     """This rank's part of the check, as an exit status."""
-    from megatron_bridge import platform
+    from megatron_bridge.runtime import platform
 
     try:
         active = platform.activate(args.platform)

@@ -1,1 +1,2 @@
-"""The RL loop (config, data, rollout, rewards, advantages, trainer): arrives with the recipe issue."""
+"""The RL loop: config, data, rollout engines, rewards, advantages, Ray workers, the trainer,
+metrics and loggers, checkpoints and the comparison report."""

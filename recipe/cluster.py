@@ -27,9 +27,10 @@ from typing import Sequence
 import yaml
 
 from megatron_bridge.errors import ConfigError
+from megatron_bridge.configs import CONFIGS_DIR
 from recipe.config import BUILTIN_TINY
 
-RUNTIME_ENV_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "runtime_env")
+RUNTIME_ENV_DIR = os.path.join(CONFIGS_DIR, "runtime_env")
 RUNTIME_ENV_FOR_DEVICE = {"npu": "mc2.yaml", "cuda": "base.yaml", "cpu": "base.yaml"}
 
 
@@ -113,7 +114,7 @@ def _write(path: str, text: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from megatron_bridge.plan import evaluate, print_verdict
+    from megatron_bridge.plan.cli import evaluate, print_verdict
     from recipe.config import config_to_dict, load_config, model_spec, resolve_path
     from recipe.worker_group import DEVICE_RESOURCE
 

@@ -11,7 +11,7 @@ Merge order, later wins (dicts merge deeply): the algo fragment, the parallel fr
 recipe's own keys, then ``key.sub=value`` overrides (``parallel=`` / ``algo=`` overrides switch
 the fragment). Key names and meanings are verl's (``ppo_megatron_trainer.yaml``). The layout keys
 (``actor_rollout_ref.actor.megatron``, the rollout's parallel sizes, ``trainer.nnodes`` ...) are
-not duplicated here: they become ``RecipeConfig.layout`` through ``megatron_bridge.layout``.
+not duplicated here: they become ``RecipeConfig.layout`` through ``megatron_bridge.plan.layout``.
 
 String values may refer to other keys as ``${trainer.project_name}`` (the run directory does).
 
@@ -33,15 +33,15 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, policy_loss_modes
-from megatron_bridge.actor import LR_DECAY_STYLES, OptimConfig
+from megatron_bridge.runtime.actor import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.layout import Layout, layout_from_dict, layout_to_dict, nearest_key
-from megatron_bridge.model_spec import ModelSpec, load_model_spec
-from megatron_bridge.plan import evaluate
+from megatron_bridge.configs import CONFIGS_DIR
+from megatron_bridge.plan.layout import Layout, layout_from_dict, layout_to_dict, nearest_key
+from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
+from megatron_bridge.plan.cli import evaluate
 from megatron_bridge.tiny_model import TINY
 
 BUILTIN_TINY = "builtin:tiny"
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 ROLLOUT_ENGINE_FOR_DEVICE = {"cpu": "hf", "npu": "vllm", "cuda": "vllm"}
 _LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
 _DERIVED = "layout"  # the RecipeConfig field built from the layout keys, not a YAML key

@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from jinja2 import TemplateError
-from tqdm import tqdm
+
+from recipe.loggers import progress_bar
 
 TRUNCATIONS = ("error", "left", "right")
 _PROGRESS_MIN_ROWS = 1000  # below this, tokenising is quick enough to not need a progress bar
@@ -188,7 +189,7 @@ class PromptDataset:
             raise DataError(f"the prompt files {[str(f) for f in files]} have no rows; add prompts")
         self.filtered = 0
         self._samples: list[PromptSample] = []
-        progress = tqdm(rows, desc="tokenising prompts", unit="prompt", disable=len(rows) < _PROGRESS_MIN_ROWS)
+        progress = progress_bar(rows, desc="tokenising prompts", unit="prompt", disable=len(rows) < _PROGRESS_MIN_ROWS)
         for row in progress:
             ids = _prompt_ids(tokenizer, row)
             if len(ids) > max_prompt_length:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -28,6 +29,18 @@ CONSOLE_METRICS: tuple[tuple[str, str], ...] = (
     ("timing_s/step", "step_s"),
     ("val/score/mean", "val_score"),
 )
+
+
+def on_terminal() -> bool:
+    """Progress bars are drawn only on a terminal: into CI, ``ray job submit`` or a redirected log
+    every redraw would land as a line of its own."""
+    return sys.stderr.isatty()
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any) -> tqdm:
+    """tqdm on a terminal, a silent pass-through elsewhere (``on_terminal``)."""
+    kwargs["disable"] = kwargs.get("disable", False) or not on_terminal()
+    return tqdm(iterable, **kwargs)
 
 
 class LoggerError(ValueError):

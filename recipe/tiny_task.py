@@ -30,10 +30,10 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 
 from megatron_bridge.tiny_model import tiny_hf_model
+from recipe.loggers import progress_bar
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
@@ -252,7 +252,7 @@ def warm_up(
     optimizer = torch.optim.Adam([*model.parameters(), *probe.parameters()], lr=lr)
     model.train()
     with _one_thread():
-        for _ in tqdm(range(steps), desc="tiny task warm-up", unit="step"):
+        for _ in progress_bar(range(steps), desc="tiny task warm-up", unit="step"):
             loss = _warmup_loss(model, probe, _warmup_batch(tokenizer, rng, batch_size))
             optimizer.zero_grad()
             loss.backward()

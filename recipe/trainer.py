@@ -23,7 +23,7 @@ from tqdm import tqdm
 from recipe.advantage import grpo_advantages, token_advantages
 from recipe.config import BUILTIN_TINY, RecipeConfig, config_to_dict
 from recipe.data import BatchSampler, PromptDataset, PromptSample, val_batches
-from recipe.loggers import Tracking, ascii_curve, read_jsonl
+from recipe.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.metrics import Timer, data_metrics, mean_metrics, moe_load_metrics, throughput_metrics
 from recipe.reward import OverlongConfig, RewardInput, compute_rewards, make_reward_fn
 from recipe.rollout.base import SamplingParams, request_seed
@@ -116,7 +116,10 @@ class Trainer:
             self.step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
             tqdm.write(f"resumed from {checkpoint} (step {self.step})")
-        self.tracking = Tracking(str(self.dir), self.cfg.trainer.logger, self.cfg.trainer.project_name,
+        # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
+        loggers = self.cfg.trainer.logger
+        loggers = loggers if on_terminal() or "console" in loggers else [*loggers, "console"]
+        self.tracking = Tracking(str(self.dir), loggers, self.cfg.trainer.project_name,
                                  self.cfg.trainer.experiment_name, config_to_dict(self.cfg), resume=self.step > 0)
         if self.step:
             self.tracking.drop_from(self.step + 1)  # what a killed run logged past its checkpoint
@@ -139,7 +142,7 @@ class Trainer:
         t = self.cfg.trainer
         if self.step == 0 and t.val_before_train and self.val_data is not None:
             self.tracking.log(self.validate(), step=0)
-        bar = tqdm(total=t.total_training_steps, initial=self.step, desc="steps", unit="step", dynamic_ncols=True)
+        bar = progress_bar(total=t.total_training_steps, initial=self.step, desc="steps", unit="step", dynamic_ncols=True)
         while self.step < t.total_training_steps:
             try:
                 metrics = self.train_step(self.step + 1)

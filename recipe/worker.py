@@ -3,7 +3,7 @@ on), the colocated rollout engine, and the weight stream between them.
 
 The driver (``recipe.trainer``) calls the same method on every worker with that worker's share of
 the data; the methods that run collectives (log-probs, update, weight sync, checkpoint) must be
-called on all workers together. Batches follow ``megatron_bridge.actor``'s convention.
+called on all workers together. Batches follow ``megatron_bridge.runtime.actor``'s convention.
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ class Worker:
         from loss.megatron_hook import ActorLossConfig
         from megatron.core import parallel_state as ps
 
-        from megatron_bridge.actor import MegatronActor, initialize_parallel
-        from megatron_bridge.export import Routing, WeightExporter
-        from megatron_bridge.model import BuildOptions
-        from megatron_bridge.model_spec import load_model_spec
-        from megatron_bridge.platform import activate, init_distributed
-        from megatron_bridge.routing_stats import RoutingCounter
+        from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+        from megatron_bridge.weights.export import Routing, WeightExporter
+        from megatron_bridge.runtime.model import BuildOptions
+        from megatron_bridge.plan.model_spec import load_model_spec
+        from megatron_bridge.runtime.platform import activate, init_distributed
+        from megatron_bridge.moe.routing_stats import RoutingCounter
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")

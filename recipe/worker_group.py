@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megatron_bridge.layout import Layout
+from megatron_bridge.plan.layout import Layout
 from recipe.worker import RankInfo, Worker
 
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").

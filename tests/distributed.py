@@ -22,7 +22,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
-    from megatron_bridge import platform
+    from megatron_bridge.runtime import platform
 
     platform.activate("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

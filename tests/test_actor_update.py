@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loss.megatron_hook import ActorLossConfig
-from megatron_bridge.layout import TrainParallel
+from megatron_bridge.plan.layout import TrainParallel
 from tests.distributed import run_ranks
 from megatron_bridge.tiny_model import save_tiny_checkpoint as save_checkpoint
 from megatron_bridge.verify import reference_log_probs
@@ -50,10 +50,10 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, batch,
     from megatron.core import parallel_state as ps
 
     from loss.megatron_hook import policy_loss_func
-    from megatron_bridge.actor import MegatronActor, OptimConfig, initialize_parallel
-    from megatron_bridge.export import local_hf_slices
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.weights.export import local_hf_slices
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     train = TrainParallel(**train_kwargs)
     initialize_parallel(train)
@@ -102,8 +102,8 @@ def assemble(prefix: str, name: str, world_size: int) -> dict[str, torch.Tensor]
 
 
 def _full_shape(hf_name):
-    from megatron_bridge.load import hf_shape
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.weights.load import hf_shape
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     return hf_shape(load_model_spec("tiny_qwen3_moe"), hf_name)
 
@@ -158,9 +158,9 @@ def _edge_step(rank, world_size, checkpoint, batch, loss_name):
     from functools import partial
 
     from loss.megatron_hook import policy_loss_func
-    from megatron_bridge.actor import MegatronActor, OptimConfig, initialize_parallel
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     train = TrainParallel()
     initialize_parallel(train)
@@ -204,9 +204,9 @@ def _epochs(rank, world_size, checkpoint, batch, optim_kwargs):
     from functools import partial
 
     from loss.megatron_hook import policy_loss_func
-    from megatron_bridge.actor import MegatronActor, OptimConfig, initialize_parallel
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     train = TrainParallel()
     initialize_parallel(train)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.mc2 import Mc2Plan
+from megatron_bridge.plan.mc2 import Mc2Plan
 from recipe.cluster import join_report, launcher_overrides, main, runtime_env
 from recipe.config import load_config
 from recipe.worker_group import ClusterError, pick_nodes
@@ -101,7 +101,7 @@ def test_prepare_writes_the_jobs_inputs_and_fails_cleanly(tmp_path, capsys):
     assert rc == 0
     env = dict(line.split("=", 1) for line in (out / "cluster.env").read_text().splitlines())
     assert env["NNODES"] == "4" and env["NPUS_PER_NODE"] == "8" and env["DEVICE_RESOURCE"] == "NPU"
-    assert env["HCCL_BUFFSIZE_MB"] == "320"  # the seeds' layout: MC2 needs 304 MB, rounded up to 32
+    assert env["HCCL_BUFFSIZE_MB"] == "320"  # the 4 x 8 A2 layout: MC2 needs 304 MB, rounded up to 32
     args = (out / "job_args").read_text().splitlines()
     assert args[:2] == ["--config", str(REPO / "configs/recipe/qwen3_30b_a3b_grpo.yaml")]
     assert args[-1] == "trainer.total_training_steps=7"

@@ -1,4 +1,4 @@
-"""The rollout weight stream (megatron_bridge.export) on CPU gloo ranks: bit-exact tensors in the
+"""The rollout weight stream (megatron_bridge.weights.export) on CPU gloo ranks: bit-exact tensors in the
 rollout dtype, EP-aware routing (each rollout rank gets exactly its experts), size-bounded buckets.
 The round trip for every training layout runs inside verify (tests/test_actor_parity.py)."""
 
@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_bridge.export import Routing, checkpoint_order
+from megatron_bridge.weights.export import Routing, checkpoint_order
 from megatron_bridge.tiny_model import save_tiny_checkpoint
 from tests.distributed import run_ranks
 
@@ -23,11 +23,11 @@ def checkpoint(tmp_path_factory):
 def _export_cases(rank, world_size, checkpoint, train_kwargs):
     from safetensors.torch import load_file
 
-    from megatron_bridge.actor import MegatronActor, initialize_parallel
-    from megatron_bridge.export import WeightExporter
-    from megatron_bridge.layout import TrainParallel
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.weights.export import WeightExporter
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     train = TrainParallel(**train_kwargs)
     initialize_parallel(train)
@@ -65,7 +65,7 @@ def _export_cases(rank, world_size, checkpoint, train_kwargs):
             "warned": [str(w.message) for w in caught],
         }
     # verify's round-trip check sees a changed weight, and names it.
-    from megatron_bridge.load import unwrap
+    from megatron_bridge.weights.load import unwrap
     from megatron_bridge.verify import round_trip
 
     seen, differ, _ = round_trip(actor.chunks, spec, checkpoint, torch.float32)

@@ -4,8 +4,8 @@ origin (so a wrong interleave or split shows up as a wrong number, not a small e
 import pytest
 import torch
 
-from megatron_bridge.hf_checkpoint import CheckpointError, HFCheckpoint
-from megatron_bridge.hf_mapping import (
+from megatron_bridge.weights.hf_checkpoint import CheckpointError, HFCheckpoint
+from megatron_bridge.weights.hf_mapping import (
     HFPart,
     ShardPlacement,
     UnknownParameterError,
@@ -16,7 +16,7 @@ from megatron_bridge.hf_mapping import (
     to_hf,
     to_megatron,
 )
-from megatron_bridge.model_spec import load_model_spec
+from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.tiny_model import tiny_hf_model as hf_model
 
 SPEC = load_model_spec("tiny_qwen3_moe")  # 8 heads, 4 query groups, head_dim 16, hidden 64

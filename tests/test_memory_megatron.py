@@ -5,9 +5,9 @@ take one optimizer step (which creates the Adam states), and sum the bytes of ev
 import pytest
 import torch
 
-from megatron_bridge import memory
-from megatron_bridge.layout import Cluster, Layout, TrainParallel
-from megatron_bridge.model_spec import load_model_spec
+from megatron_bridge.plan import memory
+from megatron_bridge.plan.layout import Cluster, Layout, TrainParallel
+from megatron_bridge.plan.model_spec import load_model_spec
 from tests.distributed import run_ranks
 
 
@@ -21,8 +21,8 @@ def _measure(rank, world_size, train_kwargs):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_bridge.actor import initialize_parallel
-    from megatron_bridge.model import BuildOptions, build_model_chunks
+    from megatron_bridge.runtime.actor import initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 
     train = TrainParallel(**train_kwargs)
     initialize_parallel(train)

@@ -7,11 +7,11 @@ import sys
 import pytest
 import yaml
 
-from megatron_bridge import mc2, memory
+from megatron_bridge.plan import mc2, memory
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_from_dict, load_layout
-from megatron_bridge.model_spec import load_model_spec
-from megatron_bridge.plan import main as plan_main
+from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_from_dict, load_layout
+from megatron_bridge.plan.model_spec import load_model_spec
+from megatron_bridge.plan.cli import main as plan_main
 
 Q30 = load_model_spec("qwen3_30b_a3b")
 Q235 = load_model_spec("qwen3_235b_a22b")
@@ -157,3 +157,12 @@ def test_search_prints_only_valid_layouts_that_check_accepts(tmp_path):
     best = load_layout(str(out))
     assert best.cluster.world_size == 16
     assert _cli("check", "--model", "qwen3_30b_a3b", "--parallel", str(out)).returncode == 0
+
+
+def test_the_planner_does_not_import_megatron():
+    """Planning runs before any process starts, on machines without megatron's runtime set up."""
+    code = ("import sys; from megatron_bridge.plan.cli import main; main(['check', '--model', 'qwen3_30b_a3b', "
+            "'--parallel', 'qwen3_30b_a3b_4x8_a2']); print(sorted(m for m in sys.modules if m.startswith('megatron.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

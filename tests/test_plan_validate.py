@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_bridge.layout import Cluster, Layout, RolloutParallel, TrainParallel, load_layout, shipped_layouts
-from megatron_bridge.model_spec import load_model_spec
-from megatron_bridge.stages import layers_per_chunk, layers_per_stage
-from megatron_bridge.validate import validate
+from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, load_layout, shipped_layouts
+from megatron_bridge.plan.model_spec import load_model_spec
+from megatron_bridge.plan.stages import layers_per_chunk, layers_per_stage
+from megatron_bridge.plan.validate import validate
 
 Q30 = load_model_spec("qwen3_30b_a3b")
 Q235 = load_model_spec("qwen3_235b_a22b")

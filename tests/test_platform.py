@@ -20,26 +20,26 @@ def _run(code: str, env_platform: str | None = None):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_requested_cuda_without_a_gpu_is_an_error_not_a_cpu_run():
-    out = _run("from megatron_bridge import platform; platform.activate('cuda')")
+    out = _run("from megatron_bridge.runtime import platform; platform.activate('cuda')")
     assert out.returncode != 0 and "platform cuda was requested but torch.cuda.is_available() is False" in out.stderr
-    out = _run("from megatron_bridge import platform; platform.activate()", env_platform="cuda")
+    out = _run("from megatron_bridge.runtime import platform; platform.activate()", env_platform="cuda")
     assert out.returncode != 0 and "platform cuda was requested" in out.stderr
 
 
 def test_requested_npu_without_torch_npu_is_an_error():
-    out = _run("from megatron_bridge import platform; platform.activate('npu')")
+    out = _run("from megatron_bridge.runtime import platform; platform.activate('npu')")
     assert out.returncode != 0 and "platform npu" in out.stderr
 
 
 def test_unknown_platform_lists_the_choices():
-    out = _run("from megatron_bridge import platform; platform.activate('tpu')")
+    out = _run("from megatron_bridge.runtime import platform; platform.activate('tpu')")
     assert "platform 'tpu' is unknown; choose one of: npu, cuda, cpu" in out.stderr
 
 
 def test_cpu_adaptor_covers_megatron_cuda_assumptions():
     out = _run("""
         import torch
-        from megatron_bridge import platform
+        from megatron_bridge.runtime import platform
         p = platform.activate()          # detected: no accelerator here
         assert p.name == 'cpu' and p.backend == 'gloo', p
         assert torch.zeros(2, device='cuda').device.type == 'cpu'
@@ -61,7 +61,7 @@ def test_cpu_adaptor_covers_megatron_cuda_assumptions():
 @pytest.mark.npu
 def test_npu_platform_activates_mindspeed_before_megatron():
     out = _run("""
-        from megatron_bridge import platform
+        from megatron_bridge.runtime import platform
         p = platform.activate('npu')
         import sys
         assert 'mindspeed.megatron_adaptor' in sys.modules and p.backend == 'hccl'

@@ -98,6 +98,10 @@ def test_tiny_recipe_raises_the_score(tmp_path, algo):
     print(f"{algo}: score first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last - first > RISE_MARGIN, (first, last, scores)
     assert (tmp_path / "reward_curve.txt").is_file() and "reward curve" in out.stdout
+    # captured output is no terminal: one console line per step and no progress-bar redraws
+    assert "\r" not in out.stdout + out.stderr and "steps:" not in out.stdout + out.stderr
+    lines = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("step ") and "| score" in line]
+    assert lines == [str(k) for k in steps]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
                 "response_length/mean", "timing_s/gen", "timing_s/reshard", "timing_s/old_log_prob",
                 "timing_s/update_actor", "perf/throughput", "moe/load_imbalance_mean"):

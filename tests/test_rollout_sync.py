@@ -17,11 +17,11 @@ def _sync_and_compare(rank, world_size, actor_checkpoint, engine_checkpoint, tra
     from functools import partial
 
     from loss.megatron_hook import log_prob_func
-    from megatron_bridge.actor import MegatronActor, initialize_parallel
-    from megatron_bridge.export import Routing, WeightExporter
-    from megatron_bridge.layout import TrainParallel
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.weights.export import Routing, WeightExporter
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
     from recipe.rollout.base import SamplingParams
     from recipe.rollout.hf_engine import HFEngine
     from recipe.rollout.sync import sync_weights

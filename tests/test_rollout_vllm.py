@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.layout import RolloutParallel, load_layout
-from megatron_bridge.model_spec import load_hf_config
+from megatron_bridge.plan.layout import RolloutParallel, load_layout
+from megatron_bridge.plan.model_spec import load_hf_config
 from megatron_bridge.tiny_model import save_tiny_checkpoint, tiny_hf_model
 from recipe.rollout import vllm_engine as ve
 from recipe.rollout.base import Generation, SamplingParams, WeightLoadError, check_prompts, request_seed

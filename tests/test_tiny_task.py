@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from loss.policy import compute_policy_loss
-from megatron_bridge.hf_checkpoint import HFCheckpoint
+from megatron_bridge.weights.hf_checkpoint import HFCheckpoint
 from recipe import tiny_task
 from recipe.advantage import grpo_advantages, token_advantages
 from recipe.reward.math_dapo import compute_score

@@ -80,11 +80,11 @@ def test_bad_checkpoint_exits_2_naming_the_tensor(checkpoint, tmp_path, edit, me
 
 
 def _load_into_model(rank, world_size, directory):
-    from megatron_bridge.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
     from megatron_bridge.errors import ConfigError
-    from megatron_bridge.layout import TrainParallel
-    from megatron_bridge.model import BuildOptions
-    from megatron_bridge.model_spec import load_model_spec
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
 
     train = TrainParallel()
     initialize_parallel(train)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from megatron_bridge.export import WeightExporter
+from megatron_bridge.weights.export import WeightExporter
 from recipe.rollout.base import RolloutEngine
 
 

@@ -68,9 +68,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.layout import RolloutParallel
-from megatron_bridge.model_spec import load_hf_config, spec_from_hf_dict
-from megatron_bridge.load import hf_shape, hub_tensor_names
+from megatron_bridge.plan.layout import RolloutParallel
+from megatron_bridge.plan.model_spec import load_hf_config, spec_from_hf_dict
+from megatron_bridge.weights.load import hf_shape, hub_tensor_names
 from recipe.rollout.base import (
     Generation,
     LoadStats,
@@ -578,7 +578,7 @@ class VLLMEngine:
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
         if platform is None:
-            from megatron_bridge.platform import active
+            from megatron_bridge.runtime.platform import active
 
             platform = active().name
         require_vllm(platform)  # first, so a missing vLLM is the error one sees
@@ -613,7 +613,7 @@ class VLLMEngine:
 
         if not dist.is_initialized():
             raise RuntimeError(
-                "torch.distributed is not initialised: the trainer starts it first (megatron_bridge.platform."
+                "torch.distributed is not initialised: the trainer starts it first (megatron_bridge.runtime.platform."
                 "init_distributed), then every rank builds VLLMEngine"
             )
         check_launcher_env(os.environ)

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from megatron_bridge.errors import ConfigError
+from megatron_bridge.configs import CONFIGS_DIR
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 
@@ -129,7 +130,7 @@ def spec_from_hf_dict(cfg: Mapping[str, Any], name: str, source: str) -> ModelSp
 
 
 def model_config_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "model")
+    return os.path.join(CONFIGS_DIR, "model")
 
 
 def shipped_models() -> list[str]:

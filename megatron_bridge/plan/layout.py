@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import yaml
 
 from megatron_bridge.errors import ConfigError
+from megatron_bridge.configs import CONFIGS_DIR
 
 DEVICES = ("npu", "cuda", "cpu")
 NPU_KINDS = ("a2", "a3")
@@ -217,7 +218,7 @@ def layout_from_dict(data: Mapping[str, Any], name: str) -> Layout:
 
 
 def layout_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "parallel")
+    return os.path.join(CONFIGS_DIR, "parallel")
 
 
 def shipped_layouts() -> list[str]:

@@ -58,7 +58,7 @@ def _activate_npu() -> None:
     if "megatron.core" in sys.modules:
         raise ConfigError(
             "platform npu: megatron was imported before MindSpeed's adaptor; call "
-            "megatron_bridge.platform.activate('npu') before importing megatron"
+            "megatron_bridge.runtime.platform.activate('npu') before importing megatron"
         )
     for module in ("torch_npu", "torch_npu.contrib.transfer_to_npu", "mindspeed.megatron_adaptor"):
         try:
@@ -88,7 +88,7 @@ def activate(name: str | None = None) -> Platform:
         if not torch.cuda.is_available():
             raise ConfigError("platform cuda was requested but torch.cuda.is_available() is False")
     else:
-        from megatron_bridge import cpu_adaptor
+        from megatron_bridge.runtime import cpu_adaptor
 
         cpu_adaptor.install()
     _active = PLATFORMS[name]
@@ -97,7 +97,7 @@ def activate(name: str | None = None) -> Platform:
 
 def active() -> Platform:
     if _active is None:
-        raise RuntimeError("no platform is active; call megatron_bridge.platform.activate() first")
+        raise RuntimeError("no platform is active; call megatron_bridge.runtime.platform.activate() first")
     return _active
 
 

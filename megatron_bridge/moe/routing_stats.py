@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_bridge.actor import response_ends
+from megatron_bridge.runtime.actor import response_ends
 
 
 def valid_token_mask(micro_batch: dict[str, torch.Tensor], seq_len: int) -> torch.Tensor:

@@ -23,10 +23,10 @@ from typing import Callable, Iterator
 import torch
 
 from loss.megatron_hook import MiniBatchNorm
-from megatron_bridge.layout import TrainParallel
-from megatron_bridge.load import LoadReport, load_hf_checkpoint
-from megatron_bridge.model import BuildOptions, build_model_chunks
-from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.plan.layout import TrainParallel
+from megatron_bridge.weights.load import LoadReport, load_hf_checkpoint
+from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
+from megatron_bridge.plan.model_spec import ModelSpec
 
 LR_DECAY_STYLES = ("constant", "cosine")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.load import read_shards, unwrap
-from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.weights.load import read_shards, unwrap
+from megatron_bridge.plan.model_spec import ModelSpec
 
 
 def import_mbridge():

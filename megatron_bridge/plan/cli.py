@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 
 import yaml
 
-from megatron_bridge import mc2, memory
+from megatron_bridge.plan import mc2, memory
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_to_dict, load_layout
-from megatron_bridge.model_spec import ModelSpec, load_model_spec
-from megatron_bridge.validate import Violation, divisors, notes, rollout_tp_ok, validate
+from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_to_dict, load_layout
+from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
+from megatron_bridge.plan.validate import Violation, divisors, notes, rollout_tp_ok, validate
 
 DEFAULT_SEQ_LEN = 4096
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_bridge.layout import Layout, TrainParallel
-from megatron_bridge.model_spec import ModelSpec
-from megatron_bridge.stages import layers_per_chunk
+from megatron_bridge.plan.layout import Layout, TrainParallel
+from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.plan.stages import layers_per_chunk
 
 GIB = 1024**3
 PARAM_BYTES = 2  # bf16 weights

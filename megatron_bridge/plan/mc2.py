@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_bridge.layout import Layout
-from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.plan.layout import Layout
+from megatron_bridge.plan.model_spec import ModelSpec
 
 HCCL_DEFAULT_BUFFSIZE_MB = 200
 MIB = 1024**2

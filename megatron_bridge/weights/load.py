@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_bridge.hf_checkpoint import CheckpointError, HFCheckpoint
-from megatron_bridge.hf_mapping import (
+from megatron_bridge.weights.hf_checkpoint import CheckpointError, HFCheckpoint
+from megatron_bridge.weights.hf_mapping import (
     HFPart,
     ShardPlacement,
     UnknownParameterError,
@@ -23,7 +23,7 @@ from megatron_bridge.hf_mapping import (
     legacy_grouped,
     to_megatron,
 )
-from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.plan.model_spec import ModelSpec
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from megatron_bridge.layout import TrainParallel
+from megatron_bridge.plan.layout import TrainParallel
 
 
 def layers_per_chunk(num_layers: int, train: TrainParallel) -> list[list[int]]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.plan.model_spec import ModelSpec
 
 @dataclass(frozen=True)
 class HFPart:

@@ -1,6 +1,6 @@
 """Build a megatron-core GPTModel with Qwen3-MoE semantics from a ModelSpec and a training layout.
 
-Call ``megatron_bridge.platform.activate()`` and ``parallel_state.initialize_model_parallel()``
+Call ``megatron_bridge.runtime.platform.activate()`` and ``parallel_state.initialize_model_parallel()``
 first. Qwen3-MoE in Megatron terms: GQA with qk-layernorm (RMSNorm over head_dim), RMSNorm,
 SwiGLU experts without bias, softmax top-k router whose top-k weights are renormalised
 (``moe_router_pre_softmax=False`` computes the softmax over the k selected logits, which is what
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_bridge.layout import TrainParallel
-from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.plan.layout import TrainParallel
+from megatron_bridge.plan.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

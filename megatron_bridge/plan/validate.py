@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from megatron_bridge.layout import Layout
-from megatron_bridge.model_spec import ModelSpec
-from megatron_bridge.platform import PLATFORMS
-from megatron_bridge.stages import layers_per_stage
+from megatron_bridge.plan.layout import Layout
+from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.runtime.platform import PLATFORMS
+from megatron_bridge.plan.stages import layers_per_stage
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from typing import Iterator
 
 import torch
 
-from megatron_bridge.hf_mapping import hf_parts, hf_slices, is_legacy_grouped, split_legacy_grouped, to_hf
-from megatron_bridge.load import hf_shape, placement, unwrap
-from megatron_bridge.model_spec import ModelSpec
+from megatron_bridge.weights.hf_mapping import hf_parts, hf_slices, is_legacy_grouped, split_legacy_grouped, to_hf
+from megatron_bridge.weights.load import hf_shape, placement, unwrap
+from megatron_bridge.plan.model_spec import ModelSpec
 
 Slice = tuple[str, slice | None, slice | None, torch.Tensor]  # (hf_name, rows, cols, values)
 Span = tuple[int, int] | None  # [start, stop) of a dim; None: all of it

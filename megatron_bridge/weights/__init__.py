@@ -1,0 +1,4 @@
+"""Weights in and out of the Megatron shards: HF safetensors read slice by slice
+(``hf_checkpoint``), the HF <-> megatron name and shape table (``hf_mapping``), loading
+(``load``), the bucketed, EP-aware weight stream to the rollout engine (``export``) and mbridge as
+an optional loader (``mbridge_backend``)."""
