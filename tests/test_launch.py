@@ -99,7 +99,7 @@ def test_launchers_never_kill_by_pattern():
 
 def test_runtime_env_agrees_with_the_rollout_engine():
     """mc2.yaml sets nothing removed and agrees with what the vLLM engine sets for itself on NPU."""
-    from recipe.rollout.vllm_engine import rollout_env
+    from recipe.rollout.vllm_setup import rollout_env
 
     env = yaml.safe_load((REPO / "configs/runtime_env/mc2.yaml").read_text())["env_vars"]
     assert "VLLM_ENABLE_MC2" not in env and "HCCL_BUFFSIZE" not in env  # removed / computed per layout

@@ -25,6 +25,8 @@ from megatron_bridge.plan.layout import RolloutParallel, load_layout
 from megatron_bridge.plan.model_spec import load_hf_config
 from megatron_bridge.tiny_model import save_tiny_checkpoint, tiny_hf_model
 from recipe.rollout import vllm_engine as ve
+from recipe.rollout import vllm_setup as vs
+from recipe.rollout import vllm_weights as vw
 from recipe.rollout.base import Generation, SamplingParams, WeightLoadError, check_prompts, request_seed
 from tests.distributed import free_port
 
@@ -49,7 +51,7 @@ def hub_tensors(tiny_dir):
 
 
 def test_engine_args_default_layout(tiny_dir):
-    args = ve.engine_args(tiny_dir, RolloutParallel())
+    args = vs.engine_args(tiny_dir, RolloutParallel())
     assert args == {
         "model": tiny_dir,
         "distributed_executor_backend": "external_launcher",
@@ -80,13 +82,13 @@ def test_engine_args_default_layout(tiny_dir):
     ],
 )
 def test_engine_args_map_tp_dp_ep(rollout, tp, dp, expert_parallel):
-    args = ve.engine_args("/m", rollout)
+    args = vs.engine_args("/m", rollout)
     assert (args["tensor_parallel_size"], args["data_parallel_size"], args["enable_expert_parallel"]) == (tp, dp, expert_parallel)
 
 
 def test_engine_args_from_a_shipped_layout_and_overrides():
     rollout = load_layout("qwen3_30b_a3b_4x8_a2").rollout
-    args = ve.engine_args(
+    args = vs.engine_args(
         "/m", rollout, dtype=torch.float16, max_model_len=4096, seed=7, gpu_memory_utilization=0.6,
         extra={"max_num_batched_tokens": 8192, "enforce_eager": True, "swap_space": None},
     )
@@ -99,7 +101,7 @@ def test_engine_args_from_a_shipped_layout_and_overrides():
 
 def test_mixed_expert_parallel_is_an_error_naming_the_yaml_keys():
     with pytest.raises(ConfigError) as err:
-        ve.engine_args("/m", RolloutParallel(tp=4, dp=2, ep=4))
+        vs.engine_args("/m", RolloutParallel(tp=4, dp=2, ep=4))
     msg = str(err.value)
     assert "actor_rollout_ref.rollout.expert_parallel_size=4" in msg
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size x actor_rollout_ref.rollout.data_parallel_size = 4 x 2 = 8" in msg
@@ -107,20 +109,20 @@ def test_mixed_expert_parallel_is_an_error_naming_the_yaml_keys():
 
 
 def test_rollout_must_cover_the_world_and_be_positive():
-    ve.check_rollout_parallel(RolloutParallel(tp=2, dp=8, ep=16), world_size=16)
+    vs.check_rollout_parallel(RolloutParallel(tp=2, dp=8, ep=16), world_size=16)
     with pytest.raises(ConfigError, match=r"= 4 x 1 = 4 must equal the world size 8"):
-        ve.check_rollout_parallel(RolloutParallel(tp=4, dp=1), world_size=8)
+        vs.check_rollout_parallel(RolloutParallel(tp=4, dp=1), world_size=8)
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.data_parallel_size=0 must be a positive integer"):
-        ve.check_rollout_parallel(RolloutParallel(dp=0))
+        vs.check_rollout_parallel(RolloutParallel(dp=0))
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1\.5 must be in \(0, 1\)"):
-        ve.check_rollout_parallel(RolloutParallel(gpu_memory_utilization=1.5))
+        vs.check_rollout_parallel(RolloutParallel(gpu_memory_utilization=1.5))
 
 
 # -- environment --------------------------------------------------------------------------------
 
 
 def test_ascend_env_values():
-    env = ve.ascend_env()
+    env = vs.ascend_env()
     assert env == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_USE_V1": "1",
@@ -129,12 +131,12 @@ def test_ascend_env_values():
         "HCCL_NPU_SOCKET_PORT_RANGE": "auto",
     }
     assert "VLLM_ENABLE_MC2" not in env
-    assert ve.rollout_env("cuda") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert vs.rollout_env("cuda") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_apply_env_keeps_and_reports_user_values():
     environ = {"HCCL_HOST_SOCKET_PORT_RANGE": "60000-60050", "VLLM_USE_V1": "1", "PATH": "/bin"}
-    report = ve.apply_env(ve.ascend_env(), environ)
+    report = vs.apply_env(vs.ascend_env(), environ)
     assert report.kept == {"HCCL_HOST_SOCKET_PORT_RANGE": ("60000-60050", "auto")}
     assert report.set == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -146,22 +148,22 @@ def test_apply_env_keeps_and_reports_user_values():
 
 
 def test_check_env_errors_and_warnings():
-    assert ve.check_env("npu", {}) == ve.EnvCheck()
-    check = ve.check_env("npu", {"VLLM_ASCEND_ENABLE_NZ": "1", "VLLM_ENABLE_MC2": "1",
+    assert vs.check_env("npu", {}) == vs.EnvCheck()
+    check = vs.check_env("npu", {"VLLM_ASCEND_ENABLE_NZ": "1", "VLLM_ENABLE_MC2": "1",
                                  "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"})
     assert len(check.errors) == 2 and len(check.warnings) == 1
     assert check.errors[0].startswith("PYTORCH_NPU_ALLOC_CONF='expandable_segments:True'")
     assert check.errors[1].startswith("VLLM_ASCEND_ENABLE_NZ='1': weight sync needs the ND format")
     assert "removed it in June 2025 (PR #1229)" in check.warnings[0]
-    cuda = ve.check_env("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:True"})
+    cuda = vs.check_env("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:True"})
     assert len(cuda.errors) == 1 and cuda.errors[0].startswith("PYTORCH_CUDA_ALLOC_CONF=")
-    assert ve.check_env("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, enable_sleep_mode=False) == ve.EnvCheck()
+    assert vs.check_env("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, enable_sleep_mode=False) == vs.EnvCheck()
 
 
 def test_launcher_env_must_come_from_torchrun():
-    ve.check_launcher_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    vs.check_launcher_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
     with pytest.raises(RuntimeError, match=r"^LOCAL_RANK, MASTER_PORT not set"):
-        ve.check_launcher_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x"})
+        vs.check_launcher_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x"})
 
 
 # -- sampling parameters ------------------------------------------------------------------------
@@ -196,14 +198,14 @@ def test_request_seeds_differ_per_request_and_dp_rank_and_repeat_per_call():
 
 
 def test_tokenizer_init_is_skipped_only_without_tokenizer_files(tiny_dir, tmp_path):
-    assert ve.has_tokenizer(tiny_dir) is False  # the tiny checkpoint has config and weights only
+    assert vs.has_tokenizer(tiny_dir) is False  # the tiny checkpoint has config and weights only
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    assert ve.has_tokenizer(str(tmp_path)) is True
-    assert ve.engine_args("/m", RolloutParallel(), skip_tokenizer_init=False)["skip_tokenizer_init"] is False
+    assert vs.has_tokenizer(str(tmp_path)) is True
+    assert vs.engine_args("/m", RolloutParallel(), skip_tokenizer_init=False)["skip_tokenizer_init"] is False
 
 
 def test_model_eos_ids_and_prompt_checks(tiny_dir):
-    assert ve.model_eos_token_ids(tiny_dir) == {2}
+    assert vs.model_eos_token_ids(tiny_dir) == {2}
     limit = "engine's max_model_len"
     check_prompts(PROMPTS, 16, vocab_size=512, max_len=64, limit=limit)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -277,18 +279,18 @@ def test_outputs_out_of_order_or_with_several_completions_raise():
 
 
 def test_hub_tensor_shapes_are_the_checkpoint_tensors(tiny_dir):
-    expected = ve.hub_tensor_shapes(load_hf_config(tiny_dir))
+    expected = vw.hub_tensor_shapes(load_hf_config(tiny_dir))
     with safe_open(os.path.join(tiny_dir, "model.safetensors"), "pt") as f:
         on_disk = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     assert expected == on_disk and len(expected) == 135
     assert expected["model.layers.3.mlp.experts.7.down_proj.weight"] == (64, 32)
     assert expected["model.layers.0.self_attn.k_proj.weight"] == (64, 64)  # 4 KV heads x head_dim 16
-    tied = ve.hub_tensor_shapes({**load_hf_config(tiny_dir), "tie_word_embeddings": True})
+    tied = vw.hub_tensor_shapes({**load_hf_config(tiny_dir), "tie_word_embeddings": True})
     assert set(expected) - set(tied) == {"lm_head.weight"}
 
 
 def test_checked_stream_counts_and_passes_everything_through(tiny_dir, hub_tensors):
-    stream = ve.CheckedStream(((n, t.to(torch.bfloat16)) for n, t in hub_tensors.items()), ve.hub_tensor_shapes(load_hf_config(tiny_dir)))
+    stream = vw.CheckedStream(((n, t.to(torch.bfloat16)) for n, t in hub_tensors.items()), vw.hub_tensor_shapes(load_hf_config(tiny_dir)))
     names = [name for name, _ in stream]
     assert names == list(hub_tensors)
     assert (stream.tensors, stream.bytes) == (135, 1_452_800 // 2)
@@ -309,7 +311,7 @@ GATE_0_3 = "model.layers.0.mlp.experts.3.gate_proj.weight"
     ids=["unknown", "transposed", "duplicate", "integer"],
 )
 def test_checked_stream_stops_at_the_bad_tensor(tiny_dir, hub_tensors, corrupt, message):
-    stream = ve.CheckedStream(corrupt(list(hub_tensors.items())), ve.hub_tensor_shapes(load_hf_config(tiny_dir)))
+    stream = vw.CheckedStream(corrupt(list(hub_tensors.items())), vw.hub_tensor_shapes(load_hf_config(tiny_dir)))
     with pytest.raises(WeightLoadError, match=message) as err:
         for _ in stream:
             pass
@@ -317,10 +319,10 @@ def test_checked_stream_stops_at_the_bad_tensor(tiny_dir, hub_tensors, corrupt, 
 
 
 def test_checked_stream_first_tensor_bad_writes_nothing_and_lists_missing(tiny_dir, hub_tensors):
-    expected = ve.hub_tensor_shapes(load_hf_config(tiny_dir))
+    expected = vw.hub_tensor_shapes(load_hf_config(tiny_dir))
     with pytest.raises(WeightLoadError, match=r"unexpected tensor 'foo': .*\(nothing was written\)"):
-        next(ve.CheckedStream([("foo", torch.zeros(1))], expected))
-    stream = ve.CheckedStream([(n, t) for n, t in hub_tensors.items() if ".layers.3." not in n and "lm_head" not in n], expected)
+        next(vw.CheckedStream([("foo", torch.zeros(1))], expected))
+    stream = vw.CheckedStream([(n, t) for n, t in hub_tensors.items() if ".layers.3." not in n and "lm_head" not in n], expected)
     list(stream)
     missing = stream.missing_dense()
     assert len(missing) == 10 and missing[0] == "model.layers.3.input_layernorm.weight" and missing[-1] == "lm_head.weight"
@@ -357,25 +359,25 @@ def fake_vllm_model(expert_maps, local=None):
 
 def test_local_experts_from_the_expert_map_and_missing_ones():
     model = fake_vllm_model([torch.tensor([-1, -1, 0, 1]), None])  # layer 0: EP rank 1 of 2; layer 1: no EP
-    experts = ve.local_experts(model)
+    experts = vw.local_experts(model)
     assert experts == {0: [2, 3], 1: [0, 1, 2, 3]}
     seen = {f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (2, 3) for p in ("gate_proj", "up_proj", "down_proj")}
     seen |= {f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
-    assert ve.missing_local_experts(experts, seen) == []
+    assert vw.missing_local_experts(experts, seen) == []
     seen.discard("model.layers.0.mlp.experts.3.up_proj.weight")
-    assert ve.missing_local_experts(experts, seen) == ["model.layers.0.mlp.experts.3.up_proj.weight"]
-    assert ve.local_experts(torch.nn.Linear(2, 2)) is None
+    assert vw.missing_local_experts(experts, seen) == ["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert vw.local_experts(torch.nn.Linear(2, 2)) is None
     # expert parallel without a readable map (2 of 4 experts here, which ones unknown): not checked
-    assert ve.local_experts(fake_vllm_model([None], local=2)) is None
+    assert vw.local_experts(fake_vllm_model([None], local=2)) is None
 
 
 def test_moe_weight_loaders_are_reattached_where_missing():
     model = fake_vllm_model([None, None])
-    assert ve.reattach_moe_weight_loaders(model) == 2
+    assert vw.reattach_moe_weight_loaders(model) == 2
     experts = model.model.layers[0].mlp.experts
     assert experts.w13_weight.weight_loader == experts.weight_loader
     assert experts.w2_weight.weight_loader == "kept"
-    assert ve.reattach_moe_weight_loaders(model) == 0
+    assert vw.reattach_moe_weight_loaders(model) == 0
 
 
 def test_model_runner_is_found_on_the_in_process_engine_and_unwrapped():
@@ -421,7 +423,7 @@ def test_missing_vllm_names_the_install_command(tiny_dir, platform, command):
     before = dict(os.environ)
     with pytest.raises(ImportError) as err:
         ve.VLLMEngine(tiny_dir, RolloutParallel(), platform=platform)
-    assert isinstance(err.value, ve.VLLMNotInstalledError)
+    assert isinstance(err.value, vs.VLLMNotInstalledError)
     assert f"VLLMEngine on {platform} needs vllm" in str(err.value) and command in str(err.value)
     assert dict(os.environ) == before  # nothing set before the check
 

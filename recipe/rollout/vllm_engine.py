@@ -5,17 +5,14 @@ mode (SPMD, as in verl's and slime's colocated rollout), joins the torch.distrib
 started, and takes turns with the trainer for the device memory through sleep mode. Written against
 vllm 0.11.0 with vllm-ascend 0.11.0rc1; see docs/rollout.md ("vLLM and vLLM-Ascend engine").
 
-The pure functions (``engine_args``, ``rollout_env`` / ``ascend_env``, ``vllm_sampling_kwargs``,
-``to_generation``, ``hub_tensor_shapes``, ...) do not import vllm, so they are tested without it;
-``VLLMEngine`` imports vllm in its constructor.
+The environment and the ``vllm.LLM`` arguments come from ``recipe.rollout.vllm_setup``, the checks
+on the weight stream from ``recipe.rollout.vllm_weights``; each lists the vLLM facts it relies on.
+The pure functions here (``vllm_sampling_kwargs``, ``to_generation``, ...) do not import vllm, so
+they are tested without it; ``VLLMEngine`` imports vllm in its constructor.
 
 API facts relied on (vllm-project/vllm, vllm-project/vllm-ascend; versions as noted):
 
-- ``LLM(..., distributed_executor_backend="external_launcher")``: one worker per process, ranks from
-  ``RANK`` / ``LOCAL_RANK`` and ``env://``; ParallelConfig then sets VLLM_ENABLE_V1_MULTIPROCESSING=0
-  so the engine core runs in-process (vllm/config/parallel.py; examples/offline_inference/
-  torchrun_example.py). ``data_parallel_size`` with external_launcher: PR #24899 (Sept 2025, before
-  0.11.0); prompts are split over DP ranks by the caller (examples/offline_inference/
+- With external_launcher, prompts are split over DP ranks by the caller (examples/offline_inference/
   torchrun_dp_example.py, which also documents the model path
   ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model``).
 - All ranks of one engine must sample alike, so they need the same seed (torchrun_dp_example.py).
@@ -23,30 +20,14 @@ API facts relied on (vllm-project/vllm, vllm-project/vllm-ascend; versions as no
   KV cache, level 2 discards both; ``LLM.wake_up(tags=["weights"] | ["kv_cache"] | None)`` (vLLM docs
   features/sleep_mode; vllm-ascend docs user_guide/feature_guide/sleep_mode, v0.11.0).
 - ``load_format="dummy"``: random weights at start, the first sync gives the real ones (verl).
-- ``logprobs_mode``: "raw_logprobs" (default: before temperature and any processing) or
-  "processed_logprobs" (after temperature, penalties and top-k/top-p), vLLM PR #21398 and #22387,
-  vllm/v1/sample/sampler.py (0.10.2+). With all-greedy batches the processed log-probs are
-  log_softmax(logits) (no temperature).
 - ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob; ``CompletionOutput`` has
   ``token_ids``, ``logprobs`` (per position ``{token_id: Logprob(logprob=...)}``) and
   ``finish_reason`` ("stop" | "length" | "abort"); stop / EOS tokens stay in ``token_ids``.
-- ``Qwen3MoeForCausalLM.load_weights(iterable)`` takes HF names (per-expert gate/up/down_proj),
-  writes each tensor into its parameter as it arrives and returns the set of loaded parameter names;
-  experts not local to this EP rank are skipped (FusedMoE weight_loader ``return_success``); an
-  unknown name raises (KeyError in Qwen3MoeModel, ValueError in AutoWeightsLoader)
-  (vllm/model_executor/models/qwen3_moe.py, models/utils.py).
-- FusedMoE's ``w13_weight`` / ``w2_weight`` can lose their ``weight_loader`` attribute once
-  ``process_weights_after_loading`` has run; verl re-attaches ``experts.weight_loader`` before every
-  sync (verl/utils/vllm/patch.py, patch_vllm_moe_model_weight_loader).
 - vllm-ascend 0.11: AscendUnquantizedFusedMoEMethod transposes w13/w2 once after the first load
   (a ``transpose`` flag) and AscendFusedMoE's ``_load_w13`` / ``_load_w2`` transpose later HF tensors
   to match (``transpose_weight``, vllm-ascend PR #2756, Sept 2025); MindSpeed-RL's verl patch calls
   ``vllm.model_executor.model_loader.utils.process_weights_after_loading(model, model_config,
   device)`` after each sync on NPU (verl_npu/patch/verl/d62da4950/vllm_rollout_spmd.patch).
-- vllm-ascend's NPUWorker.wake_up refuses VLLM_ASCEND_ENABLE_NZ=1 ("FRACTAL_NZ mode is enabled ...
-  Please set VLLM_ASCEND_ENABLE_NZ=0", vllm_ascend/worker/worker_v1.py, 0.11 era).
-- Sleep mode's memory pool does not work with ``expandable_segments:True`` (vLLM 0.11's
-  CuMemAllocator asserts; vllm-ascend sleep then frees nothing, ms-swift #6636).
 - vllm-ascend 0.11's NPU model runner builds ``AscendSampler()`` without the configured
   ``logprobs_mode`` (vllm_ascend/worker/model_runner_v1.py; cf. vllm-ascend PR #8643), so on NPU
   the log-probs may be raw ones: the engine reads the sampler's mode and warns (``logprobs_mode``).
@@ -54,23 +35,17 @@ API facts relied on (vllm-project/vllm, vllm-project/vllm-ascend; versions as no
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import os
 import random
-import re
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.layout import RolloutParallel
-from megatron_bridge.plan.model_spec import load_hf_config, spec_from_hf_dict
-from megatron_bridge.weights.load import hf_shape, hub_tensor_names
+from megatron_bridge.plan.model_spec import load_hf_config
 from recipe.rollout.base import (
     Generation,
     LoadStats,
@@ -80,110 +55,35 @@ from recipe.rollout.base import (
     check_prompts,
     request_seed,
 )
+from recipe.rollout.vllm_setup import (
+    LOGPROBS_MODE,
+    VLLM_VERSION,
+    apply_env,
+    check_env,
+    check_launcher_env,
+    check_rollout_parallel,
+    engine_args,
+    has_tokenizer,
+    model_eos_token_ids,
+    require_vllm,
+    rollout_env,
+)
+from recipe.rollout.vllm_weights import (
+    _PARTIAL,
+    CheckedStream,
+    _listed,
+    hub_tensor_shapes,
+    local_experts,
+    missing_local_experts,
+    reattach_moe_weight_loaders,
+)
 
 logger = logging.getLogger(__name__)
 
-PLATFORMS = ("cuda", "npu")
-VLLM_VERSION, VLLM_ASCEND_VERSION = "0.11.0", "0.11.0rc1"
-INSTALL = {
-    "cuda": f"pip install -e '.[gpu]' (the gpu extra installs vllm; written against vllm=={VLLM_VERSION})",
-    "npu": (
-        f"pip install vllm=={VLLM_VERSION} vllm-ascend=={VLLM_ASCEND_VERSION} (the pair in vllm-ascend's "
-        "version table; follow its installation guide for the CANN and torch_npu it needs)"
-    ),
-}
-LOGPROBS_MODE = "processed_logprobs"  # see the module doc and docs/rollout.md
 TAGS = ("weights", "kv_cache")  # vLLM's sleep-mode memory tags, woken in this order
-_PARTIAL = (
-    "; vLLM had already written the tensors streamed before it, so the rollout weights are now a mix: "
-    "load a complete stream again before generating"
-)
-_SHOWN = 5  # names listed in an error
 
 
-class VLLMNotInstalledError(ImportError):
-    """vllm (or vllm-ascend on NPU) is not installed; the message says what to install."""
-
-
-# -- configuration (pure) -----------------------------------------------------------------------
-
-
-def check_rollout_parallel(rollout: RolloutParallel, world_size: int | None = None) -> None:
-    """vLLM's rules for a colocated rollout layout; raises ConfigError naming the YAML keys."""
-    keys = "actor_rollout_ref.rollout"
-    for key, value in (("tensor_model_parallel_size", rollout.tp), ("data_parallel_size", rollout.dp),
-                       ("expert_parallel_size", rollout.ep), ("max_num_seqs", rollout.max_num_seqs)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{keys}.{key}={value!r} must be a positive integer")
-    if not 0 < rollout.gpu_memory_utilization < 1:
-        raise ConfigError(f"{keys}.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1)")
-    tp_dp = rollout.tp * rollout.dp
-    if rollout.ep not in (1, tp_dp):
-        raise ConfigError(
-            f"{keys}.expert_parallel_size={rollout.ep}: vLLM runs MoE layers either with expert parallel, "
-            f"where EP = {keys}.tensor_model_parallel_size x {keys}.data_parallel_size = {rollout.tp} x "
-            f"{rollout.dp} = {tp_dp}, or without it (expert_parallel_size=1: experts tensor-sharded over "
-            f"TP x DP); set expert_parallel_size to {tp_dp} or 1"
-        )
-    if world_size is not None and tp_dp != world_size:
-        raise ConfigError(
-            f"colocated rollout: {keys}.tensor_model_parallel_size x {keys}.data_parallel_size = "
-            f"{rollout.tp} x {rollout.dp} = {tp_dp} must equal the world size {world_size} (every training "
-            "rank is a vLLM rank)"
-        )
-
-
-def engine_args(
-    model_path: str,
-    rollout: RolloutParallel,
-    *,
-    dtype: str | torch.dtype = "bfloat16",
-    max_model_len: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    max_num_seqs: int | None = None,
-    seed: int = 0,
-    enable_sleep_mode: bool = True,
-    enforce_eager: bool = False,
-    load_format: str = "dummy",
-    skip_tokenizer_init: bool = True,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The keyword arguments of ``vllm.LLM`` for one colocated rank (vLLM 0.11 names).
-
-    ``extra`` is merged last (its None values dropped), as verl's ``engine_kwargs.vllm``.
-    """
-    check_rollout_parallel(rollout)
-    kwargs: dict[str, Any] = {
-        "model": str(model_path),
-        # SPMD: this process is one vLLM rank; torch.distributed is the trainer's.
-        "distributed_executor_backend": "external_launcher",
-        "tensor_parallel_size": rollout.tp,
-        "data_parallel_size": rollout.dp,
-        # EP on: each of the TP x DP ranks owns whole experts; off: experts tensor-sharded over TP x DP.
-        "enable_expert_parallel": rollout.ep > 1,
-        "dtype": dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
-        "gpu_memory_utilization": rollout.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization,
-        "max_num_seqs": rollout.max_num_seqs if max_num_seqs is None else max_num_seqs,
-        # one seed on every rank, as vLLM's torchrun examples ask (the engine draws its samples
-        # from its own per-DP-rank stream, see VLLMEngine)
-        "seed": seed,
-        "enable_sleep_mode": enable_sleep_mode,
-        "enforce_eager": enforce_eager,
-        # random weights at start; the first load_weights brings the trainer's
-        "load_format": load_format,
-        # log-probs after temperature (and top-k/top-p): see docs/rollout.md
-        "logprobs_mode": LOGPROBS_MODE,
-        # prompts and responses are token ids; a model dir without a tokenizer needs True
-        # (VLLMEngine passes True only then: vLLM 0.10.0 broke it, vllm issue #21846)
-        "skip_tokenizer_init": skip_tokenizer_init,
-        # NCCL / HCCL all-reduce only, as verl's colocated rollout sets it
-        "disable_custom_all_reduce": True,
-        "disable_log_stats": True,
-    }
-    if max_model_len is not None:
-        kwargs["max_model_len"] = max_model_len
-    kwargs.update({k: v for k, v in (extra or {}).items() if v is not None})
-    return kwargs
+# -- sampling (pure) ----------------------------------------------------------------------------
 
 
 def stream_seed(seed: int, rank: int, tp: int) -> int:
@@ -209,27 +109,6 @@ def vllm_sampling_kwargs(
         "logprobs": 0,  # the sampled token's log-prob only
         "detokenize": False,
     }
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def has_tokenizer(model_path: str) -> bool:
-    """Whether the model directory has tokenizer files vLLM could load."""
-    return any(os.path.isfile(os.path.join(model_path, f)) for f in _TOKENIZER_FILES)
-
-
-def model_eos_token_ids(model_path: str) -> set[int]:
-    """EOS ids of config.json and generation_config.json (Qwen3 lists a second one only there)."""
-    ids: set[int] = set()
-    for file in ("config.json", "generation_config.json"):
-        path = os.path.join(model_path, file)
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else eos)
-    return ids
 
 
 # -- output conversion (pure) -------------------------------------------------------------------
@@ -270,108 +149,7 @@ def to_generation(outputs: Sequence[Any], prompts: Sequence[Sequence[int]] | Non
     return Generation(token_ids=token_ids, log_probs=log_probs, finish_reasons=reasons)
 
 
-# -- weights (pure) -----------------------------------------------------------------------------
-
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERTS_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")
-
-
-def hub_tensor_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Qwen3-MoE Hub checkpoint (per-expert names) with its full shape, from config.json."""
-    spec = spec_from_hf_dict(hf_config, name="rollout", source="config.json")
-    return {name: hf_shape(spec, name) for name in hub_tensor_names(spec)}
-
-
-def _listed(names: Sequence[str]) -> str:
-    return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
-
-
-class CheckedStream:
-    """Passes a weight stream through while checking each (name, tensor) against the Hub shapes
-    before vLLM sees it, and counts tensors and bytes. ``current`` is the name last handed on."""
-
-    def __init__(self, weights: WeightStream, expected: Mapping[str, tuple[int, ...]]):
-        self._items = iter(weights)
-        self.expected = expected
-        self.seen: set[str] = set()
-        self.tensors = 0
-        self.bytes = 0
-        self.current: str | None = None
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self
-
-    def _fail(self, what: str) -> WeightLoadError:
-        return WeightLoadError(what + (_PARTIAL if self.tensors else " (nothing was written)"))
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        name, tensor = next(self._items)
-        if name not in self.expected:
-            raise self._fail(f"unexpected tensor {name!r}: not a weight of this model (Hub names expected)")
-        if name in self.seen:
-            raise self._fail(f"tensor {name!r} appears twice in the stream")
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            raise self._fail(f"tensor {name!r} is not a floating-point torch.Tensor ({type(tensor).__name__})")
-        if tuple(tensor.shape) != self.expected[name]:
-            raise self._fail(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {self.expected[name]}"
-            )
-        self.seen.add(name)
-        self.tensors += 1
-        self.bytes += tensor.numel() * tensor.element_size()
-        self.current = name
-        return name, tensor
-
-    def missing_dense(self) -> list[str]:
-        """Non-expert tensors the stream lacked (every rank receives all of them)."""
-        return [n for n in self.expected if n not in self.seen and not _EXPERT.match(n)]
-
-
-def local_experts(model: torch.nn.Module) -> dict[int, list[int]] | None:
-    """layer -> global ids of the experts this rank holds, from each FusedMoE's ``expert_map``
-    (global -> local index, -1 elsewhere; None without expert parallel, when the rank holds a
-    slice of every expert). Layers whose holding cannot be read are left out, and None is returned
-    when no layer can be read (an unknown layout: the check is skipped)."""
-    found: dict[int, list[int]] = {}
-    for name, module in model.named_modules():
-        m = _EXPERTS_MODULE.match(name)
-        if m is None:
-            continue
-        emap = getattr(module, "expert_map", None)
-        total, local = getattr(module, "global_num_experts", None), getattr(module, "local_num_experts", None)
-        if emap is not None:
-            found[int(m[1])] = [g for g, index in enumerate(torch.as_tensor(emap).tolist()) if index >= 0]
-        elif total and (local is None or local == total):
-            found[int(m[1])] = list(range(int(total)))
-    return found or None
-
-
-def missing_local_experts(experts: Mapping[int, list[int]], seen: set[str]) -> list[str]:
-    """Hub names of this rank's experts that the stream lacked."""
-    return [
-        f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
-        for layer, ids in sorted(experts.items())
-        for e in ids
-        for proj in ("gate_proj", "up_proj", "down_proj")
-        if f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" not in seen
-    ]
-
-
-def reattach_moe_weight_loaders(model: torch.nn.Module) -> int:
-    """Give FusedMoE's w13_weight / w2_weight their module's ``weight_loader`` where
-    ``process_weights_after_loading`` replaced the Parameter and dropped it (as verl does). Returns
-    how many were re-attached."""
-    count = 0
-    for module in model.modules():
-        loader = getattr(module, "weight_loader", None)
-        if not callable(loader):
-            continue
-        for pname in ("w13_weight", "w2_weight"):
-            param = module._parameters.get(pname) if hasattr(module, "_parameters") else None
-            if param is not None and not hasattr(param, "weight_loader"):
-                param.weight_loader = loader
-                count += 1
-    return count
+# -- vLLM's model runner (pure) -----------------------------------------------------------------
 
 
 def unwrap_model(model: Any) -> torch.nn.Module:
@@ -411,109 +189,6 @@ def effective_logprobs_mode(sampler: Any) -> str | None:
     if mode is not None and inner is not None and inner != mode:
         return f"{mode} (top-k/top-p sampler: {inner})"
     return mode
-
-
-# -- environment (pure) -------------------------------------------------------------------------
-
-
-def rollout_env(platform: str) -> dict[str, str]:
-    """Environment variables the colocated rollout needs, set before vllm is imported."""
-    env = {
-        # external_launcher needs the engine core in this process (ParallelConfig sets it too)
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
-    if platform == "npu":
-        env.update({
-            # the V1 engine (vllm-ascend 0.11 has no other)
-            "VLLM_USE_V1": "1",
-            # weights in ND format: the trainer's tensors are written in place, and vllm-ascend's
-            # wake_up refuses NZ; verl forces 0 (VLLM_ENABLE_MC2 is deliberately absent: vllm-ascend
-            # removed it in June 2025, PR #1229, and picks MC2 itself)
-            "VLLM_ASCEND_ENABLE_NZ": "0",
-            # HCCL picks free ports itself, so the trainer's and vLLM's communicators on one NPU do
-            # not collide (verl's runtime_env.yaml)
-            "HCCL_HOST_SOCKET_PORT_RANGE": "auto",
-            "HCCL_NPU_SOCKET_PORT_RANGE": "auto",
-        })
-    return env
-
-
-def ascend_env() -> dict[str, str]:
-    """``rollout_env("npu")``: what rollout on Ascend needs (see the comments there)."""
-    return rollout_env("npu")
-
-
-@dataclass
-class EnvReport:
-    set: dict[str, str] = field(default_factory=dict)  # variables this call set
-    kept: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (user's value, ours)
-
-
-def apply_env(wanted: Mapping[str, str], environ: Any = None) -> EnvReport:
-    """Set ``wanted`` in ``environ`` (os.environ by default) except where the user set a value."""
-    environ = os.environ if environ is None else environ
-    report = EnvReport()
-    for name, value in wanted.items():
-        if name not in environ:
-            environ[name] = value
-            report.set[name] = value
-        elif environ[name] != value:
-            report.kept[name] = (environ[name], value)
-    return report
-
-
-@dataclass
-class EnvCheck:
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-
-def check_env(platform: str, environ: Mapping[str, str], enable_sleep_mode: bool = True) -> EnvCheck:
-    """Settings that break the colocated rollout (errors) or do nothing (warnings)."""
-    out = EnvCheck()
-    alloc = "PYTORCH_NPU_ALLOC_CONF" if platform == "npu" else "PYTORCH_CUDA_ALLOC_CONF"
-    conf = environ.get(alloc, "").replace(" ", "")
-    if enable_sleep_mode and "expandable_segments:True" in conf:
-        out.errors.append(
-            f"{alloc}={environ[alloc]!r}: vLLM's sleep mode allocates from a memory pool that does not work with "
-            "expandable_segments:True (CUDA: vLLM asserts; NPU: sleep frees nothing); remove it or set "
-            "expandable_segments:False"
-        )
-    if platform == "npu":
-        if environ.get("VLLM_ASCEND_ENABLE_NZ", "0") not in ("0", ""):
-            out.errors.append(
-                f"VLLM_ASCEND_ENABLE_NZ={environ['VLLM_ASCEND_ENABLE_NZ']!r}: weight sync needs the ND format "
-                "(vllm-ascend's wake_up refuses NZ); unset it or set 0"
-            )
-        if "VLLM_ENABLE_MC2" in environ:
-            out.warnings.append(
-                "VLLM_ENABLE_MC2 is set but vllm-ascend removed it in June 2025 (PR #1229); MC2 is chosen "
-                "automatically, the variable does nothing"
-            )
-    return out
-
-
-def check_launcher_env(environ: Mapping[str, str]) -> None:
-    """external_launcher reads the rank from RANK and the device from LOCAL_RANK (torchrun sets both)."""
-    missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
-    if missing:
-        raise RuntimeError(
-            f"{', '.join(missing)} not set: vLLM's external_launcher mode reads them as torchrun sets them"
-        )
-
-
-def require_vllm(platform: str) -> None:
-    """Raise VLLMNotInstalledError naming the install command if vllm (or vllm-ascend) is missing.
-    Looks the packages up without importing them (env variables must be set first)."""
-    if platform not in PLATFORMS:
-        raise ValueError(
-            f"VLLMEngine runs on {' or '.join(PLATFORMS)}, not {platform!r}; on the CPU use "
-            "recipe.rollout.hf_engine.HFEngine"
-        )
-    missing = [p for p in ("vllm",) + (("vllm_ascend",) if platform == "npu" else ()) if importlib.util.find_spec(p) is None]
-    if missing:
-        names = " and ".join(m.replace("_", "-") for m in missing)
-        raise VLLMNotInstalledError(f"VLLMEngine on {platform} needs {names}, which is not installed: {INSTALL[platform]}")
 
 
 # -- the engine ---------------------------------------------------------------------------------
