@@ -1,0 +1,631 @@
+"""The comparison report: finished runs of several variants (e.g. GRPO vs GSPO, several seeds
+each) side by side, with an automatic flag for the reward collapse reported for GRPO on MoE.
+
+    python -m recipe.report RUN_DIR [RUN_DIR ...] --out REPORT_DIR [--window 5] [--drop 0.5] [--grad-factor 3.0]
+
+``recipe.compare`` calls ``write_report(run_dirs, out_dir, Rule(...))`` after its runs.
+
+What it reads, per run directory:
+
+- ``metrics.jsonl`` (``recipe.loggers``): ``{"step": k, "<metric>": value, ...}`` a line; records
+  of the same step are merged (the later value of a key wins). Step 0 may hold only ``val/``
+  metrics; a run's *steps* are the steps that log any other metric.
+- ``variant.json`` = ``{"variant": "<name>", "seed": <int or null>}`` when present; without it the
+  variant is the directory's name and the seed null. Runs sharing a variant are its seeds.
+- ``config.json`` when present: keys (dotted paths) whose values differ between runs are listed.
+
+Any metric may be missing from a run: its table cell shows "–" and its plot has no line for that
+variant (no file when no run has it). Non-finite values (NaN, inf: a diverged run logs them) are
+left out of means, peaks and curves; the instability rule counts a non-finite grad norm as a spike.
+
+What it writes into ``out_dir`` (built in a temporary directory beside it and renamed into place,
+so a failure leaves no partial report; an existing report there is replaced, any other non-empty
+directory is refused):
+
+- ``report.md``: the runs compared (variant, seed, directory, steps); a table, one row per variant,
+  of the first and last ``window``-step mean of ``critic/score/mean`` (over the first/last
+  min(window, n) logged values), the first and last logged ``val/score/mean``, the peak
+  ``actor/grad_norm``, the mean ``actor/pg_clipfrac``, ``moe/routing_drift/slot_frac`` and
+  ``training/rollout_probs_diff_mean``, the wall time (sum of ``timing_s/step``, s) and where the
+  instability rule fired, per seed. Every number of a variant is the mean over its seeds of each
+  seed's own value (seeds lacking the metric left out); steps are listed per seed. Then the rule
+  with its parameters, the config differences and the plots.
+- one PNG a metric (``PLOTS``): every variant's mean over its seeds at each step, with the min–max
+  over seeds as a light band when it has several; ``score.png`` marks (x) where the rule fired.
+  ``routing_drift_layers_<variant>.png``: a heat map (layers x steps) of the per-layer
+  ``moe/routing_drift/slot_frac/layer_{l}`` (mean over seeds), for each variant that logs them.
+- ``summary.json``: ``Summary`` as JSON: the rule, per variant the table's numbers (``stats``) and
+  its runs (directory, seed, steps, ``unstable_step``, ``rule_checked``, their own ``stats``), and
+  per plot file the labels of the lines drawn (the heat map's: its variant).
+
+The instability rule (``instability_step``), per run, with w = ``window``: s(t) is the mean of
+``critic/score/mean`` over the last w logged values up to step t (defined once w values are
+logged; non-finite scores are left out). A grad-norm *spike* is a step whose ``actor/grad_norm``
+exceeds ``grad_factor`` times the median of all earlier finite grad norms, or is non-finite; it
+needs at least w earlier finite values. The rule fires at the first step t where (a) the best s so
+far (max of s(t') over t' <= t) minus s(t) exceeds ``drop`` and (b) a spike lies in the last w
+steps: t - w < spike step <= t. Reward collapse together with a gradient spike is the signature
+reported for GRPO collapse on MoE (R3, arXiv 2510.11370; "When Speed Kills Stability", Liu, Li et
+al. 2025). As s averages w steps, the rule fires a step or more after the score falls: a fall from
+0.8 to -1 crosses a 0.5 drop on its second step with w = 5. A run lacking either metric is not
+checked ("–" in the table). The defaults (w 5, drop 0.5 = a quarter of DAPO's [-1, 1] score range,
+factor 3) are ``Rule()``'s.
+
+Exit status: 0 written, 2 unusable input (one line naming it and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from recipe.loggers import METRICS_FILE, LoggerError, read_jsonl
+
+SCORE = "critic/score/mean"
+VAL_SCORE = "val/score/mean"
+GRAD_NORM = "actor/grad_norm"
+DRIFT = "moe/routing_drift/slot_frac"
+STEP_TIME = "timing_s/step"
+VARIANT_FILE = "variant.json"
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+REPORT_FILE = "report.md"
+MISSING = "–"
+
+
+class ReportError(ValueError):
+    """A run directory, metrics file or report parameter that cannot be used; the message names it
+    and the fix."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The instability rule's parameters (module docstring)."""
+
+    window: int = 5
+    drop: float = 0.5
+    grad_factor: float = 3.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ReportError(f"--window must be an integer >= 1 (steps), got {self.window!r}")
+        if not self.drop > 0 or not math.isfinite(self.drop):
+            raise ReportError(f"--drop must be a positive score difference, got {self.drop!r}")
+        if not self.grad_factor > 0 or not math.isfinite(self.grad_factor):
+            raise ReportError(f"--grad-factor must be a positive factor, got {self.grad_factor!r}")
+
+    def describe(self) -> str:
+        w = self.window
+        return (
+            f"With s(t) = mean of `{SCORE}` over the last {w} logged values up to step t (defined once "
+            f"{w} values are logged), the rule fires at the first step t where (a) the best s so far minus "
+            f"s(t) exceeds {self.drop:g} and (b) one of the last {w} steps up to t is a grad-norm spike: "
+            f"`{GRAD_NORM}` above {self.grad_factor:g} x the median of all earlier finite grad norms (at "
+            f"least {w} needed), or non-finite. Non-finite scores are left out of s. Reward collapse "
+            "together with a gradient spike is the signature reported for GRPO collapse on MoE. \"–\": "
+            "the run lacks one of the two metrics."
+        )
+
+
+@dataclass(frozen=True)
+class Plot:
+    file: str
+    key: str
+    label: str  # the y axis
+    log_y: bool = False  # when every value is positive: a spike must not flatten the rest
+
+
+PLOTS: tuple[Plot, ...] = (
+    Plot("score.png", SCORE, "training reward"),
+    Plot("val_score.png", VAL_SCORE, "validation score"),
+    Plot("clipfrac.png", "actor/pg_clipfrac", "clipped fraction"),
+    Plot("ppo_kl.png", "actor/ppo_kl", "KL old -> current policy"),
+    Plot("entropy.png", "actor/entropy", "entropy"),
+    Plot("grad_norm.png", GRAD_NORM, "grad norm", log_y=True),
+    Plot("response_length.png", "response_length/mean", "mean response length (tokens)"),
+    Plot("routing_drift.png", DRIFT, "changed expert slots, old -> updated policy"),
+    Plot("replay_override.png", "moe/replay_override/slot_frac", "router choice overridden by replay"),
+    Plot("rollout_routing_mismatch.png", "moe/rollout_routing_mismatch/slot_frac", "rollout vs training routing"),
+    Plot("rollout_probs_diff.png", "training/rollout_probs_diff_mean", "mean |p_train - p_rollout|"),
+    Plot("k3_kl.png", "rollout_corr/k3_kl", "k3 KL rollout -> training"),
+    Plot("step_time.png", STEP_TIME, "step time (s)"),
+)
+LAYER_KEY = re.compile(re.escape(DRIFT) + r"/layer_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Run:
+    path: str
+    variant: str
+    seed: int | None
+    series: dict[str, list[tuple[int, float]]]  # metric -> (step, value) in step order
+    steps: int
+    config: dict | None
+
+    def label(self, among_seeds: bool) -> str:
+        """How the report names this run among its variant's seeds (or across variants)."""
+        own = f"seed {self.seed}" if self.seed is not None else os.path.basename(os.path.normpath(self.path))
+        return own if among_seeds or own == self.variant else f"{self.variant} {own}"
+
+    def finite(self, key: str) -> list[float]:
+        return [value for _, value in self.series.get(key, []) if math.isfinite(value)]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The table's numbers, for one run or (means over seeds) one variant; None: not logged."""
+
+    score_first_window: float | None
+    score_last_window: float | None
+    val_first: float | None
+    val_last: float | None
+    grad_norm_peak: float | None
+    clipfrac_mean: float | None
+    routing_drift_mean: float | None
+    probs_diff_mean: float | None
+    wall_time_s: float | None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_dir: str
+    seed: int | None
+    steps: int
+    unstable_step: int | None
+    rule_checked: bool  # False: the run lacks the score or the grad norm
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class VariantSummary:
+    variant: str
+    runs: list[RunSummary]
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What ``write_report`` returns and ``summary.json`` holds."""
+
+    rule: Rule
+    variants: list[VariantSummary]
+    plots: dict[str, list[str]] = field(default_factory=dict)  # file -> labels of its lines
+
+
+# ---- reading runs ----------------------------------------------------------------------------
+
+
+def _read_json(path: str) -> object:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except json.JSONDecodeError as err:
+        raise ReportError(f"{path}: not valid JSON ({err}); fix or delete the file") from err
+    except OSError as err:
+        raise ReportError(f"cannot read {path}: {err.strerror}") from err
+
+
+def _variant_and_seed(run_dir: str) -> tuple[str, int | None]:
+    path = os.path.join(run_dir, VARIANT_FILE)
+    if not os.path.isfile(path):
+        return os.path.basename(os.path.normpath(run_dir)), None
+    data = _read_json(path)
+    variant = data.get("variant") if isinstance(data, dict) else None
+    seed = data.get("seed") if isinstance(data, dict) else None
+    if not isinstance(variant, str) or not variant or not (seed is None or type(seed) is int):
+        raise ReportError(f'{path}: expected {{"variant": "<name>", "seed": <int>}}, got {data!r}; fix it, or '
+                          "delete it to use the directory's name as the variant")
+    return variant, seed
+
+
+def load_run(run_dir: str) -> Run:
+    """One run directory's metrics, variant, seed and config (module docstring)."""
+    if not os.path.isdir(run_dir):
+        raise ReportError(f"run directory {run_dir} does not exist; pass the directory of a finished run")
+    metrics_path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(metrics_path):
+        raise ReportError(f"run directory {run_dir} has no {METRICS_FILE}; "
+                          "pass the directory of a run that logged metrics")
+    try:
+        records = read_jsonl(metrics_path)
+    except OSError as err:
+        raise ReportError(f"cannot read {metrics_path}: {err.strerror}") from err
+    if not records:
+        raise ReportError(f"{metrics_path} is empty: the run logged no step; pass a run that ran at least one step")
+    merged: dict[int, dict[str, float]] = {}
+    for record in records:
+        step = record["step"]
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if type(value) not in (int, float):
+                raise ReportError(f"{metrics_path}: step {step}: {key!r} is {value!r}, not a number; "
+                                  "metrics files hold numbers only, fix or delete that line")
+            merged.setdefault(step, {})[key] = float(value)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for step in sorted(merged):
+        for key, value in merged[step].items():
+            series.setdefault(key, []).append((step, value))
+    steps = sum(any(not key.startswith("val/") for key in values) for values in merged.values())
+    config_path = os.path.join(run_dir, CONFIG_FILE)
+    config = _read_json(config_path) if os.path.isfile(config_path) else None
+    variant, seed = _variant_and_seed(run_dir)
+    return Run(run_dir, variant, seed, series, steps, config if isinstance(config, dict) else None)
+
+
+def group_runs(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """Runs by variant, variants and their seeds in the order given."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.variant, []).append(run)
+    return groups
+
+
+# ---- numbers ---------------------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _spike_steps(grad_norm: Sequence[tuple[int, float]], rule: Rule) -> list[int]:
+    spikes: list[int] = []
+    earlier: list[float] = []
+    for step, value in grad_norm:
+        if len(earlier) >= rule.window and (
+                not math.isfinite(value) or value > rule.grad_factor * statistics.median(earlier)):
+            spikes.append(step)
+        if math.isfinite(value):
+            earlier.append(value)
+    return spikes
+
+
+def instability_step(score: Sequence[tuple[int, float]], grad_norm: Sequence[tuple[int, float]],
+                     rule: Rule) -> int | None:
+    """The first step where the instability rule (module docstring) fires, None where it does not.
+    ``score`` and ``grad_norm`` are (step, value) in step order; non-finite scores are left out."""
+    spikes = _spike_steps(grad_norm, rule)
+    score = [(step, value) for step, value in score if math.isfinite(value)]
+    best = -math.inf
+    for end in range(rule.window, len(score) + 1):
+        step = score[end - 1][0]
+        smoothed = statistics.fmean(value for _, value in score[end - rule.window:end])
+        best = max(best, smoothed)
+        if best - smoothed > rule.drop and any(step - rule.window < spike <= step for spike in spikes):
+            return step
+    return None
+
+
+def run_stats(run: Run, window: int) -> Stats:
+    score, val, grad = run.finite(SCORE), run.finite(VAL_SCORE), run.finite(GRAD_NORM)
+    return Stats(
+        score_first_window=_mean(score[:window]),
+        score_last_window=_mean(score[-window:]),
+        val_first=val[0] if val else None,
+        val_last=val[-1] if val else None,
+        grad_norm_peak=max(grad) if grad else None,
+        clipfrac_mean=_mean(run.finite("actor/pg_clipfrac")),
+        routing_drift_mean=_mean(run.finite(DRIFT)),
+        probs_diff_mean=_mean(run.finite("training/rollout_probs_diff_mean")),
+        wall_time_s=math.fsum(run.finite(STEP_TIME)) if STEP_TIME in run.series else None,
+    )
+
+
+def summarize(groups: dict[str, list[Run]], rule: Rule) -> Summary:
+    """Per run and per variant (means over seeds) the table's numbers and where the rule fired."""
+    variants = []
+    for name, runs in groups.items():
+        summaries = [
+            RunSummary(run.path, run.seed, run.steps,
+                       instability_step(run.series.get(SCORE, []), run.series.get(GRAD_NORM, []), rule),
+                       SCORE in run.series and GRAD_NORM in run.series, run_stats(run, rule.window))
+            for run in runs
+        ]
+        means = {
+            stat.name: _mean([value for s in summaries if (value := getattr(s.stats, stat.name)) is not None])
+            for stat in fields(Stats)
+        }
+        variants.append(VariantSummary(name, summaries, Stats(**means)))
+    return Summary(rule, variants)
+
+
+# ---- plots -----------------------------------------------------------------------------------
+
+
+def _across_seeds(runs: Sequence[Run], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, and at each the mean, min and max over the seeds that logged a finite value there."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        for step, value in run.series.get(key, []):
+            if math.isfinite(value):
+                by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    return (steps, [statistics.fmean(by_step[s]) for s in steps],
+            [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps])
+
+
+def metric_figure(plot: Plot, groups: dict[str, list[Run]],
+                  marks: dict[str, list[int]] | None = None) -> tuple[Figure, list[str]] | None:
+    """The figure of one metric, one line a variant that logs it (``marks``: steps to flag with an x
+    on a variant's line), and its line labels; None when no variant logs it."""
+    figure = Figure(figsize=(7, 4), layout="constrained")
+    axes = figure.add_subplot()
+    labels, lowest, marks = [], math.inf, marks or {}
+    for variant, runs in groups.items():
+        steps, mean, low, high = _across_seeds(runs, plot.key)
+        if not steps:
+            continue
+        (line,) = axes.plot(steps, mean, label=variant, marker="o" if len(steps) <= 12 else None, markersize=3)
+        if sum(plot.key in run.series for run in runs) > 1:
+            axes.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        flagged = [(s, m) for s, m in zip(steps, mean) if s in marks.get(variant, [])]
+        if flagged:
+            axes.scatter(*zip(*flagged), marker="x", s=80, color=line.get_color(), zorder=3)
+        labels.append(variant)
+        lowest = min(lowest, *low)
+    if not labels:
+        return None
+    if plot.log_y and lowest > 0:
+        axes.set_yscale("log")
+    axes.set(title=plot.key, xlabel="step", ylabel=plot.label)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure, labels
+
+
+def _edges(centres: Sequence[float]) -> list[float]:
+    """Cell edges around sorted centres (steps or layers), halfway between neighbours."""
+    if len(centres) == 1:
+        return [centres[0] - 0.5, centres[0] + 0.5]
+    middles = [(a + b) / 2 for a, b in zip(centres, centres[1:])]
+    return [2 * centres[0] - middles[0], *middles, 2 * centres[-1] - middles[-1]]
+
+
+def drift_heatmap(variant: str, runs: Sequence[Run]) -> Figure | None:
+    """Layers x steps of the per-layer routing drift (mean over seeds); None without those metrics."""
+    layers = sorted({int(m.group(1)) for run in runs for key in run.series if (m := LAYER_KEY.match(key))})
+    rows = [_across_seeds(runs, f"{DRIFT}/layer_{layer}") for layer in layers]
+    steps = sorted({step for row in rows for step in row[0]})
+    if not steps:
+        return None
+    column = {step: index for index, step in enumerate(steps)}
+    grid = [[math.nan] * len(steps) for _ in layers]
+    for cells, (row_steps, mean, _, _) in zip(grid, rows):
+        for step, value in zip(row_steps, mean):
+            cells[column[step]] = value
+    figure = Figure(figsize=(8, max(3.0, 0.25 * len(layers) + 1.5)), layout="constrained")
+    axes = figure.add_subplot()
+    mesh = axes.pcolormesh(_edges(steps), _edges(layers), grid, cmap="viridis")
+    figure.colorbar(mesh, ax=axes, label="changed expert slots (fraction)")
+    axes.set(title=f"{DRIFT} per layer: {variant}", xlabel="step", ylabel="layer")
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    return figure
+
+
+def _file_stem(variant: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", variant)
+
+
+def _write_plots(directory: str, groups: dict[str, list[Run]], summary: Summary) -> dict[str, list[str]]:
+    marks = {v.variant: [r.unstable_step for r in v.runs if r.unstable_step is not None] for v in summary.variants}
+    figures: dict[str, tuple[Figure, list[str]]] = {}
+    for plot in PLOTS:
+        drawn = metric_figure(plot, groups, marks if plot.key == SCORE else None)
+        if drawn is not None:
+            figures[plot.file] = drawn
+    for variant, runs in groups.items():
+        file = f"routing_drift_layers_{_file_stem(variant)}.png"
+        heatmap = drift_heatmap(variant, runs)
+        if heatmap is None:
+            continue
+        if file in figures:
+            raise ReportError(f"variants {variant!r} and {figures[file][1][0]!r} both give the file name {file}; "
+                              f"rename one in its {VARIANT_FILE}")
+        figures[file] = (heatmap, [variant])
+    for file, (figure, _) in figures.items():
+        FigureCanvasAgg(figure)
+        figure.savefig(os.path.join(directory, file), dpi=100)
+    return {file: labels for file, (_, labels) in figures.items()}
+
+
+# ---- report.md -------------------------------------------------------------------------------
+
+
+def _cell(value: object, spec: str = ".4g") -> str:
+    if value is None:
+        return MISSING
+    text = format(value, spec) if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value, default=str)
+    return out
+
+
+def _shorten(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _config_differences(runs: Sequence[Run]) -> list[str]:
+    if all(run.config is None for run in runs):
+        return [f"No run directory has a {CONFIG_FILE}."]
+    flat = [_flatten(run.config) if run.config is not None else {} for run in runs]
+    keys = sorted({key for values in flat for key in values if len({v.get(key) for v in flat}) > 1})
+    if not keys:
+        return [f"The runs' {CONFIG_FILE} files agree on every key."]
+    rows = [[f"`{key}`", *(_cell(_shorten(values[key]) if key in values else None) for values in flat)] for key in keys]
+    return _table(["key", *(run.label(among_seeds=False) for run in runs)], rows)
+
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (  # header ({w}: the window), Stats field, number format
+    (f"{SCORE} first {{w}}", "score_first_window", ".4g"),
+    (f"{SCORE} last {{w}}", "score_last_window", ".4g"),
+    (f"{VAL_SCORE} first", "val_first", ".4g"),
+    (f"{VAL_SCORE} last", "val_last", ".4g"),
+    (f"peak {GRAD_NORM}", "grad_norm_peak", ".4g"),
+    ("mean actor/pg_clipfrac", "clipfrac_mean", ".4g"),
+    (f"mean {DRIFT}", "routing_drift_mean", ".4g"),
+    ("mean training/rollout_probs_diff_mean", "probs_diff_mean", ".4g"),
+    ("wall time (s)", "wall_time_s", ".1f"),
+)
+
+
+def _unstable_cell(variant: VariantSummary, runs: Sequence[Run]) -> str:
+    def verdict(run: RunSummary) -> str:
+        return f"step {run.unstable_step}" if run.unstable_step is not None else "no" if run.rule_checked else MISSING
+
+    if len(runs) == 1:
+        return verdict(variant.runs[0])
+    return ", ".join(f"{run.label(among_seeds=True)}: {verdict(s)}" for run, s in zip(runs, variant.runs))
+
+
+def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
+    window = summary.rule.window
+    runs = [run for group in groups.values() for run in group]
+    compared = _table(["variant", "seed", "run directory", "steps"],
+                      [[_cell(r.variant), _cell(r.seed), f"`{r.path}`", str(r.steps)] for r in runs])
+    rows = []
+    for variant in summary.variants:
+        steps = sorted({r.steps for r in variant.runs})
+        rows.append([_cell(variant.variant), str(len(variant.runs)), " / ".join(map(str, steps)),
+                     *(_cell(getattr(variant.stats, name), spec) for _, name, spec in COLUMNS),
+                     _unstable_cell(variant, groups[variant.variant])])
+    table = _table(["variant", "runs", "steps", *(h.format(w=window) for h, _, _ in COLUMNS), "unstable"], rows)
+    titles = {plot.file: f"{plot.key}: {plot.label}" for plot in PLOTS}
+    plots = [line for file, labels in summary.plots.items()
+             for line in (f"### {titles.get(file, f'{DRIFT} per layer: {labels[0]}')}", "", f"![{file}]({file})", "")]
+    lines = [
+        f"# Run comparison: {', '.join(groups)}", "",
+        "## Runs compared", "", *compared, "",
+        "## Summary", "",
+        f"Per variant, the mean over its seeds of each seed's own value (\"{MISSING}\": not logged). "
+        f"`{SCORE}` first/last {window}: the mean of the first/last {window} logged values; "
+        f"`{VAL_SCORE}` first/last: the first/last logged value; wall time: the sum of `{STEP_TIME}`. "
+        "\"unstable\": the step where the instability rule fired, per seed.", "",
+        *table, "",
+        "## Instability rule", "",
+        summary.rule.describe(), "",
+        f"Parameters: window {window} steps, drop {summary.rule.drop:g}, grad factor {summary.rule.grad_factor:g}.", "",
+        "## Config differences", "", *_config_differences(runs), "",
+        "## Plots", "",
+        "One line per variant: the mean over its seeds at each step, the min–max over seeds as a band; "
+        "x on score.png: where the rule fired.", "",
+        *plots,
+    ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def _check_out(out_dir: str) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ReportError(f"--out {out_dir} exists and is not a directory; choose another --out")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, SUMMARY_FILE)):
+        raise ReportError(f"--out {out_dir} is a non-empty directory without {SUMMARY_FILE}, not a report this "
+                          "replaces; choose another --out or empty it")
+
+
+def _move_into_place(staging: str, out_dir: str) -> None:
+    if not os.path.isdir(out_dir):
+        os.rename(staging, out_dir)
+        return
+    old = staging + ".old"  # the old report moves aside, the new one in, then the old goes
+    os.rename(out_dir, old)
+    try:
+        os.rename(staging, out_dir)
+    except OSError:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old)
+
+
+def write_report(run_dirs: Sequence[str], out_dir: str, rule: Rule = Rule()) -> Summary:
+    """Read ``run_dirs``, write the report into ``out_dir`` (module docstring) and return its summary.
+    Raises ``ReportError`` (a ValueError) naming the unusable input; nothing is left half-written."""
+    if not run_dirs:
+        raise ReportError("no run directories given; pass at least one")
+    if len(set(map(os.path.realpath, run_dirs))) < len(run_dirs):
+        raise ReportError(f"a run directory is given twice in {list(run_dirs)}; pass each once")
+    groups = group_runs([load_run(run_dir) for run_dir in run_dirs])
+    summary = summarize(groups, rule)
+    _check_out(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
+    except OSError as err:
+        raise ReportError(f"cannot create the report directory {out_dir}: {err}; choose another --out") from err
+    try:
+        summary = Summary(summary.rule, summary.variants, _write_plots(staging, groups, summary))
+        with open(os.path.join(staging, SUMMARY_FILE), "w", encoding="utf-8") as file:
+            json.dump(asdict(summary), file, indent=2, allow_nan=False)
+        with open(os.path.join(staging, REPORT_FILE), "w", encoding="utf-8") as file:
+            file.write(render_markdown(summary, groups))
+        _move_into_place(staging, out_dir)
+    except OSError as err:
+        raise ReportError(f"cannot write the report to {out_dir}: {err}; choose another --out") from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return summary
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = Rule()
+    parser = argparse.ArgumentParser(prog="python -m recipe.report", description=__doc__.split("\n\n")[0],
+                                     epilog="The inputs, outputs and the rule: the docstring of recipe/report.py.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a finished run's directory (metrics.jsonl)")
+    parser.add_argument("--out", required=True, metavar="REPORT_DIR",
+                        help="the report directory (an existing report there is replaced)")
+    parser.add_argument("--window", type=int, default=defaults.window,
+                        help=f"steps of the score windows and the spike look-back (default {defaults.window})")
+    parser.add_argument("--drop", type=float, default=defaults.drop,
+                        help=f"smoothed-score drop from its best that flags a collapse (default {defaults.drop:g})")
+    parser.add_argument("--grad-factor", type=float, default=defaults.grad_factor,
+                        help=f"grad norm above this x the earlier median is a spike (default {defaults.grad_factor:g})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = write_report(args.run_dirs, args.out, Rule(args.window, args.drop, args.grad_factor))
+    except (ReportError, LoggerError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for variant in summary.variants:
+        fired = [f"{run.run_dir} at step {run.unstable_step}" for run in variant.runs if run.unstable_step is not None]
+        print(f"{variant.variant}: {len(variant.runs)} run(s), unstable: {', '.join(fired) or 'none'}")
+    print(f"report: {os.path.join(args.out, REPORT_FILE)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
