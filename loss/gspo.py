@@ -11,7 +11,7 @@ import torch
 
 from .aggregation import Count, agg_loss, masked_row_mean
 from .registry import register_policy_loss
-from .surrogate import clipped_surrogate, masked_inputs, policy_metrics
+from .surrogate import apply_rollout_is_weights, clipped_surrogate, masked_inputs, policy_metrics
 
 # The paper averages per-sequence losses over sequences.
 PAPER_LOSS_AGG_MODE = "seq-mean-token-mean"
@@ -71,6 +71,7 @@ def compute_policy_loss_gspo(
     dp_size: int,
     batch_num_tokens: Count | None,
     global_batch_size: Count | None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sequence-level GSPO: L_i = max(-A_i s_i, -A_i clip(s_i, 1-low, 1+high)).
 
@@ -85,8 +86,9 @@ def compute_policy_loss_gspo(
         masked_row_mean(advantages, mask), _capped_exp(seq_log_ratio), clip_ratio_low, clip_ratio_high
     )
     # Broadcasting (not reducing here) lets agg_loss own the weighting and the
-    # micro-batch/DP normalisation, exactly as for token-level modes.
-    loss_mat = seq_loss.unsqueeze(-1).expand_as(log_ratio)
+    # micro-batch/DP normalisation, exactly as for token-level modes; rollout IS
+    # weights then scale each token's copy of L_i.
+    loss_mat = apply_rollout_is_weights(seq_loss.unsqueeze(-1).expand_as(log_ratio), rollout_is_weights, mask)
     loss = agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     metrics = policy_metrics(
         mask, pg_clipfrac=seq_clipped.unsqueeze(-1).expand_as(mask), ppo_kl=-log_ratio, pg_clipfrac_lower=None
@@ -108,6 +110,7 @@ def compute_policy_loss_gspo_token(
     dp_size: int,
     batch_num_tokens: Count | None,
     global_batch_size: Count | None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token: s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)] with per-token advantages A_it.
 
@@ -123,6 +126,7 @@ def compute_policy_loss_gspo_token(
     # exactly when it does in ``gspo`` (the two modes stay equivalent there too).
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (log_ratio - log_ratio.detach())
     loss_mat, clipped = clipped_surrogate(advantages, _capped_exp(token_log_ratio), clip_ratio_low, clip_ratio_high)
+    loss_mat = apply_rollout_is_weights(loss_mat, rollout_is_weights, mask)
     loss = agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     metrics = policy_metrics(mask, pg_clipfrac=clipped, ppo_kl=-log_ratio, pg_clipfrac_lower=None)
     return loss, metrics

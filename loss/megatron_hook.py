@@ -10,7 +10,11 @@ A micro-batch is a dict of tensors:
 - ``input_ids`` [b, s] long: prompt tokens followed by response tokens, right-padded;
 - ``prompt_lengths`` [b] long;
 - ``response_mask`` [b, R]: R is the response width, the same for every micro-batch;
-- ``old_log_probs``, ``advantages`` [b, R]; ``ref_log_probs`` [b, R] only with the KL loss.
+- ``old_log_probs``, ``advantages`` [b, R]; ``ref_log_probs`` [b, R] only with the KL loss;
+- ``rollout_is_weights`` [b, R], optional: rollout-correction IS weights (``loss.rollout_correction``),
+  multiplied into the per-token policy loss. Rejection sampling arrives already applied to
+  ``response_mask``, so the mini-batch counts the actor takes from it (``MiniBatchNorm``) leave
+  rejected tokens out.
 
 Response token j of row i is ``input_ids[i, prompt_lengths[i] + j]`` and is predicted by the
 logits at position ``prompt_lengths[i] + j - 1``. Entries past a row's response (mask 0) may hold
@@ -170,6 +174,7 @@ def policy_loss_func(
         clip_ratio_c=cfg.clip_ratio_c,
         loss_agg_mode=cfg.loss_agg_mode,
         **norm_kwargs,
+        rollout_is_weights=micro_batch.get("rollout_is_weights"),
     )
     # Each aggregated term carries a factor dp_size (for DDP's average); metrics drop it.
     loss = pg_loss

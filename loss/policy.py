@@ -1,16 +1,29 @@
 """Entry point: validate inputs and dispatch to a registered policy loss by name."""
 
+import inspect
+
 import torch
 
 from .aggregation import Count, check_loss_agg_mode
-from .registry import get_policy_loss_fn
+from .registry import PolicyLossFn, get_policy_loss_fn
 
 
-def _check_shapes(**tensors: torch.Tensor) -> None:
+def check_shapes(what: str, **tensors: torch.Tensor) -> None:
+    """ValueError naming every tensor's shape unless all are the same (batch, response_len)."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1 or any(len(s) != 2 for s in shapes.values()):
         got = ", ".join(f"{name}={shape}" for name, shape in shapes.items())
-        raise ValueError(f"policy-loss inputs must all have the same (batch, response_len) shape; got {got}")
+        raise ValueError(f"{what} must all have the same (batch, response_len) shape; got {got}")
+
+
+def _check_takes_rollout_is_weights(loss_mode: str, fn: PolicyLossFn) -> None:
+    params = inspect.signature(fn).parameters.values()
+    if not any(p.name == "rollout_is_weights" or p.kind is p.VAR_KEYWORD for p in params):
+        raise ValueError(
+            f"policy loss {loss_mode!r} does not take rollout_is_weights: give it a keyword parameter "
+            f"rollout_is_weights and multiply the weights into its per-token loss before agg_loss "
+            f"(loss.surrogate.apply_rollout_is_weights), or call it without rollout_is_weights"
+        )
 
 
 def compute_policy_loss(
@@ -27,6 +40,7 @@ def compute_policy_loss(
     dp_size: int = 1,
     batch_num_tokens: Count | None = None,
     global_batch_size: Count | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss of the registered mode ``loss_mode`` (e.g. ``vanilla``, ``gspo``, ``gspo_token``).
 
@@ -35,14 +49,29 @@ def compute_policy_loss(
     ``batch_num_tokens`` and ``global_batch_size`` make micro-batched,
     data-parallel losses add up to the whole-batch loss.
 
+    ``rollout_is_weights`` (batch, response_len), from ``rollout_correction``,
+    multiplies the per-token loss before aggregation, as verl's decoupled
+    rollout correction does; the weights are treated as constants (no
+    gradient) and their padding entries are never read. It is passed to the
+    mode only when given, so user modes without that parameter still work
+    without weights.
+
     Returns the scalar loss and ``actor/pg_clipfrac``, ``actor/ppo_kl``,
     ``actor/pg_clipfrac_lower`` as Python floats (masked means over this
     call's tokens; 0.0 when it has none).
     """
     fn = get_policy_loss_fn(loss_mode)
-    _check_shapes(
-        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
+    weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    check_shapes(
+        "policy-loss inputs",
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        **weights,
     )
+    if weights:
+        _check_takes_rollout_is_weights(loss_mode, fn)
     # Fail before any compute (and before a mode's warnings) on a bad mode string.
     check_loss_agg_mode(loss_agg_mode)
     return fn(
@@ -57,4 +86,5 @@ def compute_policy_loss(
         dp_size=dp_size,
         batch_num_tokens=batch_num_tokens,
         global_batch_size=global_batch_size,
+        **weights,
     )

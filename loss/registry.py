@@ -13,6 +13,10 @@ class PolicyLossFn(Protocol):
     Returns the scalar loss (already aggregated with ``agg_loss``) and a dict of
     Python-float metrics with at least ``actor/pg_clipfrac``, ``actor/ppo_kl``
     and ``actor/pg_clipfrac_lower``.
+
+    ``rollout_is_weights`` is optional for a mode: ``compute_policy_loss``
+    passes it only when the caller gives weights, and a mode that takes it
+    multiplies its per-token loss by them before aggregating.
     """
 
     def __call__(
@@ -29,6 +33,7 @@ class PolicyLossFn(Protocol):
         dp_size: int,
         batch_num_tokens: Count | None,
         global_batch_size: Count | None,
+        rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 

@@ -28,6 +28,20 @@ def clipped_surrogate(
     return torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped
 
 
+def apply_rollout_is_weights(
+    loss_mat: torch.Tensor, rollout_is_weights: torch.Tensor | None, mask: torch.Tensor
+) -> torch.Tensor:
+    """The per-token loss times the rollout IS weights (verl's decoupled rollout correction).
+
+    The weights are constants of the objective (detached). Padding entries are
+    replaced by 1 so that junk there cannot reach the gradient as 0 * NaN.
+    ``None`` returns ``loss_mat`` itself.
+    """
+    if rollout_is_weights is None:
+        return loss_mat
+    return loss_mat * torch.where(mask, rollout_is_weights.detach().to(loss_mat.dtype), 1.0)
+
+
 @torch.no_grad()
 def policy_metrics(
     mask: torch.Tensor,

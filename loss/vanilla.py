@@ -4,7 +4,7 @@ import torch
 
 from .aggregation import Count, agg_loss
 from .registry import register_policy_loss
-from .surrogate import clipped_surrogate, masked_inputs, policy_metrics
+from .surrogate import apply_rollout_is_weights, clipped_surrogate, masked_inputs, policy_metrics
 
 # verl's bound on the per-token log ratio: keeps exp() finite for any single wild token.
 _MAX_ABS_LOG_RATIO = 20.0
@@ -24,6 +24,7 @@ def compute_policy_loss_vanilla(
     dp_size: int,
     batch_num_tokens: Count | None,
     global_batch_size: Count | None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO loss; ratios are clipped to [1-low, 1+high].
 
@@ -40,6 +41,7 @@ def compute_policy_loss_vanilla(
     dual_clip_loss = -advantages * clip_ratio_c
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(clip_loss, dual_clip_loss), clip_loss)
+    loss_mat = apply_rollout_is_weights(loss_mat, rollout_is_weights, mask)
 
     loss = agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     metrics = policy_metrics(

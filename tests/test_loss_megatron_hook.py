@@ -385,6 +385,70 @@ def test_log_prob_func_returns_zero_loss_and_detached_outputs(hook_results):
     assert r["detached"] and r["equal"]
 
 
+# --- in-process: rollout IS weights from the micro-batch (full vocabulary = TP 1, no megatron) ----
+@pytest.fixture
+def torch_only_hook(monkeypatch):
+    """The hook module with its vocab-parallel functions replaced by their TP-1 meaning in plain torch."""
+    import loss.megatron_hook as hook
+
+    def log_probs(logits, target, temperature):
+        return torch.log_softmax(logits.float() / temperature, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+    monkeypatch.setattr(hook, "vocab_parallel_log_probs", log_probs)
+    monkeypatch.setattr(hook, "vocab_parallel_entropy", lambda logits, t: entropy_from_logits(logits.float() / t))
+    return hook
+
+
+def _whole_batch_loss(hook, cfg: ActorLossConfig, batch: dict, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    mask = batch["response_mask"].bool()
+    norm = MiniBatchNorm(1, 1, batch_num_tokens=int(mask.sum()), global_batch_size=int(mask.any(-1).sum()))
+    leaf = logits.clone().requires_grad_()
+    loss, metrics = hook.policy_loss_func(cfg, norm, batch, leaf)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), grad, metrics
+
+
+@pytest.mark.filterwarnings("ignore:policy loss 'gspo")  # the GSPO aggregation warning has its own test
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("loss_mode", ["gspo", "gspo_token", "vanilla"])
+def test_policy_loss_func_applies_rollout_is_weights_from_the_micro_batch(torch_only_hook, loss_mode, loss_agg_mode):
+    cfg = _hook_config(loss_mode, loss_agg_mode)
+    batch, logits, _ = _hook_batch(seed=5, padding=50.0)
+    mask = batch["response_mask"].bool()
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(6)) * 2
+    weighted = {**batch, "rollout_is_weights": weights.masked_fill(~mask, float("nan"))}
+
+    plain_loss, plain_grad, _ = _whole_batch_loss(torch_only_hook, cfg, batch, logits)
+    ones = {**batch, "rollout_is_weights": torch.ones_like(weights)}
+    ones_loss, ones_grad, _ = _whole_batch_loss(torch_only_hook, cfg, ones, logits)
+    assert torch.equal(ones_loss, plain_loss) and torch.equal(ones_grad, plain_grad)
+
+    loss, grad, metrics = _whole_batch_loss(torch_only_hook, cfg, weighted, logits)
+    log_probs, _ = torch_only_hook.response_log_probs(
+        logits, batch["input_ids"], batch["prompt_lengths"], WIDTH, cfg.temperature, False
+    )
+    expected_pg, _ = compute_policy_loss(
+        cfg.loss_mode, batch["old_log_probs"], log_probs, batch["advantages"], mask,
+        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=weights,
+    )  # fmt: skip
+    assert metrics["actor/pg_loss"].item() == pytest.approx(expected_pg.item(), rel=1e-6)
+    assert not torch.equal(loss, plain_loss) and grad.isfinite().all()
+
+    # Split over micro-batches and DP ranks, the weighted gradient is still the whole batch's.
+    counts = dict(batch_num_tokens=int(mask.sum()), global_batch_size=int(mask.any(-1).sum()))
+    grad_split = torch.zeros_like(logits)
+    for micro_batches in SPLITS:
+        norm = MiniBatchNorm(dp_size=len(SPLITS), num_microbatches=len(micro_batches), **counts)
+        for rows in micro_batches:
+            idx = torch.tensor(rows)
+            leaf = logits.clone().requires_grad_()
+            micro_batch = {k: v[idx] for k, v in weighted.items()}
+            mb_loss, _ = torch_only_hook.policy_loss_func(cfg, norm, micro_batch, leaf[idx])
+            grad_split += torch.autograd.grad(mb_loss / norm.num_microbatches, leaf)[0] / norm.dp_size
+    assert _rel_err(grad_split, grad) < 1e-5
+
+
 # --- in-process: config validation and import isolation ------------------------------------------
 @pytest.mark.parametrize(
     "field, value, listed",
