@@ -9,8 +9,9 @@ below. Under torchrun, each rank exits with it and torchrun reports it in its fa
 (torchrun's own exit status is 1 for any failure).
 
 Every rank loads its shard of the checkpoint into the layout; the sharded model computes per-token
-log-probs of a fixed random batch through the pipeline schedule; rank 0 computes the same with
-transformers' Qwen3-MoE on the CPU (it needs the model's size in host memory) and compares.
+log-probs of a fixed random batch through the pipeline schedule, recording which experts each MoE
+layer routes every token to; rank 0 computes the same with transformers' Qwen3-MoE on the CPU (it
+needs the model's size in host memory) and compares both.
 
 Exit status: 0 every check holds, 1 a check fails, 2 the layout or the checkpoint is invalid
 (with the validator's or the loader's message).
@@ -31,6 +32,10 @@ import torch
 from megatron_bridge.errors import ConfigError
 
 DEFAULT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.5}
+# Share of expert slots allowed to differ from transformers' top-k. fp32 routes identically; in
+# bf16 near-tied router logits flip (about 10% of routers disagree between engines on
+# Qwen3-30B-A3B, arXiv 2510.11370), while a wrongly loaded router differs in ~1 - k/E of its slots.
+DEFAULT_ROUTING_TOLERANCE = {"fp32": 0.0, "bf16": 0.2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STATUS_FILE_ENV = "MOE_RL_VERIFY_STATUS"  # where rank 0 writes the exit status for the launcher
 
@@ -52,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: fp32 on cpu, else bf16)")
     p.add_argument("--tol", type=float, default=None,
                    help=f"max |delta log-prob| allowed (default: {DEFAULT_TOLERANCE['fp32']} fp32, {DEFAULT_TOLERANCE['bf16']} bf16)")
+    p.add_argument("--routing-tol", type=float, default=None,
+                   help="max share of expert slots whose expert differs from transformers' top-k (default: "
+                        f"{DEFAULT_ROUTING_TOLERANCE['fp32']} fp32, {DEFAULT_ROUTING_TOLERANCE['bf16']} bf16)")
     p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0, help="seed of the random token batch")
@@ -92,20 +100,27 @@ def random_batch(spec, args: argparse.Namespace, dp_size: int) -> torch.Tensor:
     return torch.randint(0, spec.vocab_size, (args.batch * dp_size, args.seq_len), generator=generator)
 
 
-def reference_log_probs(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' log p(token t+1 | tokens <= t), [B, S-1], fp32 on the CPU."""
+def reference(hf_dir: str, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' log p(token t+1 | tokens <= t) [B, S-1] and routing table [B, S, layers, k],
+    fp32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_bridge.moe.hf_routing import HFRoutingRecorder
+
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    recorder = HFRoutingRecorder(model)
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits.float()
-    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    routing = recorder.take().view(*input_ids.shape, recorder.layers, recorder.topk)
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1), routing
 
 
-def sharded_log_probs(actor, input_ids: torch.Tensor) -> torch.Tensor:
+def sharded_log_probs(actor, input_ids: torch.Tensor):
+    """Log-probs [B, S-1] of the sharded model, and this rank's ``RoutingRecord`` of the pass."""
     from functools import partial
 
     from loss.megatron_hook import log_prob_func
+    from megatron_bridge.moe.routing import RoutingTap
 
     rows, length = input_ids.shape
     batch = {
@@ -113,8 +128,12 @@ def sharded_log_probs(actor, input_ids: torch.Tensor) -> torch.Tensor:
         "prompt_lengths": torch.ones(rows, dtype=torch.long),
         "response_mask": torch.ones(rows, length - 1),
     }
-    out = actor.forward_only(batch, 1, partial(log_prob_func, 1.0, False))
-    return out["log_probs"].float().cpu()
+    tap = RoutingTap(actor.chunks, actor.spec.moe_topk, actor.train.sequence_parallel)
+    actor.forward_context = tap.micro_batch
+    with tap.recording(rows, length, capture=True, replay=False, training=False) as out:
+        log_probs = actor.forward_only(batch, 1, partial(log_prob_func, 1.0, False))["log_probs"]
+    tap.remove()
+    return log_probs.float().cpu(), out.record
 
 
 def round_trip(chunks, spec, hf_dir: str, dtype: torch.dtype) -> tuple[list[str], list[str], int]:
@@ -158,6 +177,7 @@ def run(args: argparse.Namespace) -> dict:
     """The checks on this rank (torch.distributed must be initialised); rank 0's report."""
     from megatron.core import parallel_state as ps
 
+    from megatron_bridge.moe.table import merge_records, routing_change
     from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.runtime.platform import active
@@ -167,6 +187,7 @@ def run(args: argparse.Namespace) -> dict:
     spec, train = check_layout(args, world, platform.name)
     dtype = args.dtype or ("fp32" if platform.name == "cpu" else "bf16")
     tol = args.tol if args.tol is not None else DEFAULT_TOLERANCE[dtype]
+    routing_tol = args.routing_tol if args.routing_tol is not None else DEFAULT_ROUTING_TOLERANCE[dtype]
 
     initialize_parallel(train)
     actor = MegatronActor(spec, train, BuildOptions(params_dtype=DTYPES[dtype]), None, platform.name)
@@ -181,30 +202,40 @@ def run(args: argparse.Namespace) -> dict:
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     input_ids = random_batch(spec, args, dp_size)
     mine = input_ids[dp_rank * args.batch : (dp_rank + 1) * args.batch]
-    log_probs = sharded_log_probs(actor, mine)
+    log_probs, routing = sharded_log_probs(actor, mine)
     trip = round_trip(actor.chunks, spec, args.hf_dir, DTYPES[dtype])
 
-    # Every DP replica's log-probs, and every rank's bytes read and held, to rank 0.
+    # Every DP replica's log-probs and routing, and every rank's bytes read and held, to rank 0.
     held = sum(p.numel() * p.element_size() for chunk in actor.chunks for p in chunk.parameters())
+    distinct = ps.get_tensor_model_parallel_rank() == 0 or train.sequence_parallel
     gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, (dp_rank, log_probs, bytes_read, held, mismatched, trip))
-    report = {"layout": vars(args) | {"world_size": world, "dtype": dtype}, "tolerance": tol}
+    torch.distributed.all_gather_object(gathered, (dp_rank, log_probs, bytes_read, held, mismatched, trip, routing, distinct))
+    report = {"layout": vars(args) | {"world_size": world, "dtype": dtype}, "tolerance": tol, "routing_tolerance": routing_tol}
     ok = True
     if rank == 0:
         by_dp = {g[0]: g[1] for g in gathered}
         disagree = sorted({name for g in gathered for name in g[4]})
         sharded = torch.cat([by_dp[dp] for dp in range(dp_size)])
-        delta = (sharded - reference_log_probs(args.hf_dir, input_ids)).abs()
+        ref_log_probs, ref_routing = reference(args.hf_dir, input_ids)
+        delta = (sharded - ref_log_probs).abs()
+        rows_of = [torch.arange(args.batch) + g[0] * args.batch for g in gathered]
+        merged = merge_records([g[6] for g in gathered], rows_of, [g[7] for g in gathered], args.seq_len,
+                               spec.num_layers, spec.moe_topk).routing
+        routes = routing_change(ref_routing, merged, torch.ones(input_ids.shape, dtype=torch.bool), "routing")
         received = {name for g in gathered for name in g[5][0]}
         expected = hub_names(args.hf_dir)
         differ = sorted({name for g in gathered for name in g[5][1]})
         missing, extra = sorted(expected - received), sorted(received - expected)
         trip_ok = not (differ or missing or extra)
-        ok = bool(delta.max() <= tol) and not disagree and trip_ok
+        routing_ok = routes["routing/slot_frac"] <= routing_tol and routes["routing/tokens"] == input_ids.numel()
+        ok = bool(delta.max() <= tol) and not disagree and trip_ok and routing_ok
         report.update(
             max_abs_delta_log_prob=float(delta.max()),
             mean_abs_delta_log_prob=float(delta.mean()),
             tokens=delta.numel(),
+            routing={"slot_frac_differs": routes["routing/slot_frac"], "token_any_frac_differs": routes["routing/token_any_frac"],
+                     "tokens": int(routes["routing/tokens"]), "passed": routing_ok,
+                     "slot_frac_differs_per_layer": [routes[f"routing/slot_frac/layer_{i}"] for i in range(spec.num_layers)]},
             bytes_read_per_rank=[g[2] for g in gathered],
             parameter_bytes_per_rank=[g[3] for g in gathered],
             backend=args.backend,
@@ -230,6 +261,10 @@ def _print(report: dict, as_json: bool) -> None:
     print(f"parameter bytes held per rank:  {report['parameter_bytes_per_rank']}")
     print(f"max |delta log-prob| vs transformers: {report['max_abs_delta_log_prob']:.3e} "
           f"(mean {report['mean_abs_delta_log_prob']:.3e}, {report['tokens']} tokens, tolerance {report['tolerance']:g})")
+    r = report["routing"]
+    print(f"routing vs transformers' top-k: {r['slot_frac_differs']:.2%} of expert slots differ, {r['token_any_frac_differs']:.2%} "
+          f"of tokens in some layer ({r['tokens']} tokens, tolerance {report['routing_tolerance']:.0%})"
+          + ("; identical top-k sets in every layer" if r["slot_frac_differs"] == 0 else ""))
     if report["backend"] == "mbridge":
         disagree = report["mbridge_disagrees_on"]
         print(f"mbridge vs built-in loader: {'identical' if not disagree else f'{len(disagree)} tensors differ, e.g. {disagree[:3]}'}")

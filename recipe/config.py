@@ -78,6 +78,22 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
+class RouterReplayConfig:
+    """Routing replay (verl's ``megatron.router_replay``): ``R2`` replays, in every training forward,
+    the experts the old-log-prob pass chose; ``R3`` replays the rollout engine's (old-log-prob pass
+    included), which needs ``rollout.enable_rollout_routing_replay``."""
+
+    mode: str = "disabled"  # disabled | R2 | R3
+
+
+@dataclass(frozen=True)
+class ActorMegatronConfig:
+    """The keys of ``actor.megatron`` that are not parallel layout (those are in the layout)."""
+
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n rows), verl's meaning
     ppo_micro_batch_size_per_gpu: int = 1  # rows per forward/backward
@@ -92,6 +108,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: ActorMegatronConfig = field(default_factory=ActorMegatronConfig)
 
 
 @dataclass(frozen=True)
@@ -112,6 +129,7 @@ class RolloutConfig:
     top_k: int = -1  # -1: off
     log_prob_micro_batch_size_per_gpu: int = 8
     update_weights_bucket_megabytes: int = 512
+    enable_rollout_routing_replay: bool = False  # the engine reports each token's experts (R3, mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 
@@ -169,6 +187,8 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int = 2
     logger: list[str] = field(default_factory=lambda: ["console"])  # jsonl is always written
     seed: int = 1
+    routing_drift_freq: int = 1  # every this many steps, measure routing drift old -> updated policy; -1: never
+    routing_drift_rows: int = 64  # rows of the step's batch that measurement re-routes (rounded to the DP size)
 
 
 @dataclass(frozen=True)
@@ -228,6 +248,7 @@ ROLLOUT_NAMES = ("auto", "hf", "vllm")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "swanlab", "wandb")
 ADV_ESTIMATORS = ("grpo",)
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 
 _ACTOR = "actor_rollout_ref.actor"
 _ROLLOUT = "actor_rollout_ref.rollout"
@@ -255,6 +276,7 @@ RULES: dict[str, Rule] = {
     f"{_ACTOR}.optim.lr_decay_steps": POSITIVE,
     f"{_ACTOR}.optim.weight_decay": at_least(0),
     f"{_ACTOR}.optim.clip_grad": greater_than(0),
+    f"{_ACTOR}.megatron.router_replay.mode": one_of(ROUTER_REPLAY_MODES),
     f"{_ROLLOUT}.name": one_of(ROLLOUT_NAMES),
     f"{_ROLLOUT}.n": POSITIVE,
     f"{_ROLLOUT}.temperature": greater_than(0),  # the actor divides logits by it
@@ -276,6 +298,8 @@ RULES: dict[str, Rule] = {
     "trainer.test_freq": freq_rule,
     "trainer.resume_mode": one_of(RESUME_MODES),
     "trainer.max_actor_ckpt_to_keep": POSITIVE,
+    "trainer.routing_drift_freq": freq_rule,
+    "trainer.routing_drift_rows": POSITIVE,
     "trainer.logger": one_of(LOGGERS),
 }
 
@@ -592,6 +616,10 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
     trainer, data = cfg.trainer, cfg.data
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         out.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint directory)")
+    if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3" and \
+            not cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+        out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 replays the rollout engine's routing: set "
+                   f"{_ROLLOUT}.enable_rollout_routing_replay=true (or use mode R2)")
     buffer = cfg.reward_model.overlong_buffer
     if buffer.enable and not 0 < buffer.len < data.max_response_length:
         out.append(

@@ -24,9 +24,13 @@ from recipe.advantage import grpo_advantages, token_advantages
 from recipe.config import BUILTIN_TINY, RecipeConfig, config_to_dict
 from recipe.data import BatchSampler, PromptDataset, PromptSample, val_batches
 from recipe.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
-from recipe.metrics import Timer, data_metrics, mean_metrics, moe_load_metrics, throughput_metrics
+from megatron_bridge.moe.routing import ROUTED_EXPERTS
+from megatron_bridge.moe.table import RoutingRecord, merge_records
+from megatron_bridge.plan.model_spec import load_model_spec
+from recipe.metrics import Timer, data_metrics, mean_metrics, throughput_metrics
 from recipe.reward import OverlongConfig, RewardInput, compute_rewards, make_reward_fn
 from recipe.rollout.base import SamplingParams, request_seed
+from recipe.routing import replay_source, rollout_routing, routing_metrics, token_mask
 from recipe.worker_group import WorkerGroup, init_ray
 
 CHECKPOINT_PREFIX = "global_step_"
@@ -41,6 +45,7 @@ class Rollout:
     groups: torch.Tensor  # [N] prompt index within the step
     response_ids: list[list[int]]
     finish_reasons: list[str]
+    routed_experts: list[torch.Tensor] | None = None  # per row, when the engine reports routing
 
 
 def cache_dir() -> str:
@@ -80,6 +85,7 @@ class Trainer:
         self.ckpt_dir = self.dir / "checkpoints"
         self.model_dir, train_files, val_files = resolve_builtin(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.spec = load_model_spec(self.model_dir)
         d = cfg.data
         data_kwargs = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                            filter_overlong_prompts=d.filter_overlong_prompts)
@@ -163,7 +169,7 @@ class Trainer:
         return self.finish()
 
     def train_step(self, step: int) -> dict[str, float]:
-        cfg, timer = self.cfg, Timer()
+        cfg, timer, t = self.cfg, Timer(), self.cfg.trainer
         n = cfg.actor_rollout_ref.rollout.n
         with timer("step"):
             prompts = [self.train_data[i] for i in self.sampler.next_batch()]
@@ -174,14 +180,24 @@ class Trainer:
             a = cfg.algorithm
             advantages = grpo_advantages(scores, rollout.groups, a.norm_adv_by_std_in_grpo, a.grpo_epsilon)
             batch = self.make_batch(rollout, advantages)
+            engine_routing = rollout_routing(rollout.routed_experts, batch["input_ids"].shape[1])
+            replay = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
+            if replay == "R3":  # the old log-probs too come from the rollout's experts
+                batch[ROUTED_EXPERTS] = engine_routing
             with timer("old_log_prob"):
-                batch["old_log_probs"] = self.log_probs(batch, "actor")
-            routing = self.workers.call("routing_counts")
+                batch["old_log_probs"], old = self.log_probs(batch, "actor")
+            batch.pop(ROUTED_EXPERTS, None)
             if cfg.actor_rollout_ref.actor.use_kl_loss:
                 with timer("ref"):
-                    batch["ref_log_probs"] = self.log_probs(batch, "ref")
+                    batch["ref_log_probs"], _ = self.log_probs(batch, "ref")
+            if replay != "disabled":
+                batch[ROUTED_EXPERTS] = old.routing if replay == "R2" else replay_source(engine_routing, old.routing)
             with timer("update_actor"):
-                update = self.update(batch)
+                update, replayed = self.update(batch)
+            drift = None
+            if t.routing_drift_freq > 0 and step % t.routing_drift_freq == 0:
+                with timer("routing_drift"):
+                    drift = self.sample_routing(batch)
             with timer("reshard"):
                 sync = self.workers.call("sync_weights", phase="weight sync")[0]
         metrics = data_metrics(
@@ -193,7 +209,8 @@ class Trainer:
             tqdm.write(f"step {step}: non-finite loss or grad norm ({update.get('actor/grad_norm')}): "
                        "optimizer step skipped, weights unchanged")
         metrics.update({k: v for k, v in sync.items() if k.startswith("reshard/")})
-        metrics.update(moe_load_metrics(self.layer_counts(routing)))
+        valid = token_mask(batch)
+        metrics.update(routing_metrics(old, valid, self.spec.num_experts, engine_routing, drift, replayed))
         metrics.update(timer.timings)
         tokens = int(batch["prompt_lengths"].sum() + batch["response_mask"].sum())
         metrics.update(throughput_metrics(tokens, timer.timings["timing_s/step"], self.workers.world_size))
@@ -228,13 +245,14 @@ class Trainer:
             lo, hi = shares[info.rollout_dp_rank]
             args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(lo, hi)), params))
         outputs = self.workers.call("generate", args, "generation")
-        response_ids, finish = [], []
+        response_ids, finish, routed = [], [], []
         for info, out in zip(self.infos, outputs):
             if info.first_of_rollout_group:
                 response_ids += out.token_ids
                 finish += out.finish_reasons
+                routed += out.routed_experts or []
         groups = torch.arange(len(prompts)).repeat_interleave(n)
-        return Rollout(rows, groups, response_ids, finish)
+        return Rollout(rows, groups, response_ids, finish, routed if len(routed) == len(rows) else None)
 
     def rewards(self, rollout: Rollout):
         inputs = [
@@ -272,38 +290,53 @@ class Trainer:
     def mini_batch_rows(self) -> int:
         return self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n
 
-    def log_probs(self, batch: dict[str, torch.Tensor], model: str) -> torch.Tensor:
+    def log_probs(self, batch: dict[str, torch.Tensor], model: str) -> tuple[torch.Tensor, RoutingRecord | None]:
+        """Log-probs [rows, R] under the actor or the reference; the actor's pass also gives its routing."""
         rows = len(batch["input_ids"])
         shares = self.dp_rows(rows, self.mini_batch_rows())
         args = [({k: v[shares[info.dp_rank]] for k, v in batch.items()}, model) for info in self.infos]
         outputs = self.workers.call("compute_log_probs", args, f"{model} log-probs")
         result = torch.empty(rows, batch["response_mask"].shape[1], dtype=torch.float32)
-        for info, out in zip(self.infos, outputs):
+        for info, (log_probs, _) in zip(self.infos, outputs):
             if info.first_of_replica:
-                result[shares[info.dp_rank]] = out
-        return result
+                result[shares[info.dp_rank]] = log_probs
+        if model == "ref":
+            return result, None
+        return result, self.merge_routing([record for _, record in outputs], shares, batch["input_ids"].shape[1])
 
-    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, float], RoutingRecord | None]:
+        """The update's metrics, and with replay what the training forwards replayed."""
         rows, mini = len(batch["input_ids"]), self.mini_batch_rows()
         shares = self.dp_rows(rows, mini)
         args = [({k: v[shares[info.dp_rank]] for k, v in batch.items()}, mini // self.dp_size) for info in self.infos]
-        per_step = self.workers.call("update", args, "actor update")[0]
+        outputs = self.workers.call("update", args, "actor update")
+        per_step = outputs[0][0]
         metrics = mean_metrics(per_step)
         # the LR and skip flag of the last optimizer step, as verl reports them
         metrics["actor/lr"] = per_step[-1]["actor/lr"]
         metrics["actor/skipped"] = float(sum(s["actor/skipped"] for s in per_step))
-        return metrics
+        replayed = None
+        if ROUTED_EXPERTS in batch:
+            replayed = self.merge_routing([record for _, record in outputs], shares, batch["input_ids"].shape[1])
+        return metrics, replayed
 
-    def layer_counts(self, routing: list[dict[int, torch.Tensor]]) -> torch.Tensor:
-        """[layers, experts] routed tokens over the step's rows: each DP replica's first rank per
-        pipeline stage (with sequence parallel, every TP rank holds a slice of the tokens)."""
+    def sample_routing(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, their routing now): up to ``trainer.routing_drift_rows`` of the step's rows,
+        spread over the batch, routed again by the updated actor."""
+        total = len(batch["input_ids"])
+        count = max(self.dp_size, min(total, self.cfg.trainer.routing_drift_rows) // self.dp_size * self.dp_size)
+        rows = torch.linspace(0, total - 1, count).round().long()
+        shares = list(rows.view(self.dp_size, -1))
+        args = [({k: v[shares[info.dp_rank]] for k, v in batch.items() if k != ROUTED_EXPERTS},) for info in self.infos]
+        records = self.workers.call("sample_routing", args, "routing drift pass")
+        local = [torch.arange(len(s)) + i * len(shares[0]) for i, s in enumerate(shares)]
+        return rows, self.merge_routing(records, local, batch["input_ids"].shape[1]).routing
+
+    def merge_routing(self, records: list, shares: list[torch.Tensor], width: int) -> RoutingRecord:
+        """The workers' records of one pass over the rows ``shares[dp rank]``, as one table."""
         sp = self.cfg.layout.train.sequence_parallel
-        total: dict[int, torch.Tensor] = {}
-        for info, counts in zip(self.infos, routing):
-            if info.tp_rank == 0 or sp:
-                for layer, c in counts.items():
-                    total[layer] = total.get(layer, 0) + c
-        return torch.stack([total[k] for k in sorted(total)]) if total else torch.zeros(0, 0)
+        return merge_records(records, [shares[info.dp_rank] for info in self.infos],
+                             [info.tp_rank == 0 or sp for info in self.infos], width, self.spec.num_layers, self.spec.moe_topk)
 
     def validate(self) -> dict[str, float]:
         """Greedy (or ``val_kwargs``) responses to every validation prompt: val/score, val/acc."""

@@ -14,12 +14,16 @@ import socket
 import warnings
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from recipe.config import RecipeConfig
 from recipe.rollout.base import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_bridge.moe.table import RoutingRecord
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CHECKPOINT_FILE = "rank_{rank:05d}.pt"
@@ -75,7 +79,7 @@ class Worker:
         from megatron_bridge.runtime.model import BuildOptions
         from megatron_bridge.plan.model_spec import load_model_spec
         from megatron_bridge.runtime.platform import activate, init_distributed
-        from megatron_bridge.moe.routing_stats import RoutingCounter
+        from megatron_bridge.moe.routing import RoutingTap
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
@@ -94,8 +98,8 @@ class Worker:
         if arr.actor.use_kl_loss:
             self.ref = MegatronActor(spec, layout.train, options, None, platform.name)
             self.ref.load_hf(model_dir)
-        self.routing = RoutingCounter(self.actor.chunks, layout.train.sequence_parallel)
-        self.actor.before_forward = self.routing.set_micro_batch
+        self.routing = RoutingTap(self.actor.chunks, spec.moe_topk, layout.train.sequence_parallel)
+        self.actor.forward_context = self.routing.micro_batch
 
         a = arr.actor
         self.loss_config = ActorLossConfig(
@@ -129,12 +133,14 @@ class Worker:
             from recipe.rollout.hf_engine import HFEngine
 
             device = "cpu" if platform_name == "cpu" else torch.device(platform_name, torch.cuda.current_device())
-            return HFEngine(model_dir, dtype=dtype, device=device)
+            return HFEngine(model_dir, dtype=dtype, device=device,
+                            return_routed_experts=cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay)
         from recipe.rollout.vllm_engine import VLLMEngine
 
         data = cfg.data
         return VLLMEngine(model_dir, cfg.layout.rollout, platform=platform_name, dtype=dtype,
-                          max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed)
+                          max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
+                          return_routed_experts=cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay)
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -142,37 +148,53 @@ class Worker:
         self.engine.wake_up()
         return self.engine.generate(prompts, params, request_ids=request_ids)
 
-    def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str) -> torch.Tensor:
+    def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str) -> tuple[torch.Tensor, RoutingRecord | None]:
         """Per-token log-probs [B, R] of the responses under the actor ("actor") or the reference
-        ("ref"). The actor's pass also counts routed tokens per expert (``routing_counts``)."""
-        from loss.megatron_hook import log_prob_func
+        ("ref"). The actor's pass also records its routing (with ``routed_experts`` in the batch,
+        R3, it replays those and records what its routers would have chosen)."""
+        from megatron_bridge.moe.routing import ROUTED_EXPERTS
 
         self.engine.sleep()
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu if model == "actor" \
-            else self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        shard = self.actor if model == "actor" else self.ref
-        if shard is None:
-            raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true")
+        if model == "ref":
+            if self.ref is None:
+                raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true")
+            batch = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
+            micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+            return self._log_probs(self.ref, batch, micro), None
+        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        rows, width = batch["input_ids"].shape
+        with self.routing.recording(rows, width, capture=True, replay=ROUTED_EXPERTS in batch, training=False) as out:
+            log_probs = self._log_probs(self.actor, batch, micro)
+        return log_probs, out.record
+
+    def sample_routing(self, batch: dict[str, torch.Tensor]) -> RoutingRecord:
+        """The actor's own routing of ``batch`` now (after the update): a forward pass without replay."""
+        self.engine.sleep()
+        rows, width = batch["input_ids"].shape
+        with self.routing.recording(rows, width, capture=True, replay=False, training=False) as out:
+            self._log_probs(self.actor, batch, self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+        return out.record
+
+    def _log_probs(self, shard, batch: dict[str, torch.Tensor], micro: int) -> torch.Tensor:
+        from loss.megatron_hook import log_prob_func
+
         loss_fn = partial(log_prob_func, self.loss_config.temperature, False)
-        rows = len(batch["input_ids"])
-        out = shard.forward_only(batch, _fitting_micro_batch(rows, micro), loss_fn)
+        out = shard.forward_only(batch, _fitting_micro_batch(len(batch["input_ids"]), micro), loss_fn)
         return out["log_probs"].cpu()
 
-    def routing_counts(self) -> dict[int, torch.Tensor]:
-        return self.routing.pop()
-
-    def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int) -> list[dict[str, float]]:
-        """PPO epochs over this DP rank's rows in mini-batches of ``mini_batch_rows``."""
+    def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int) -> tuple[list[dict[str, float]], RoutingRecord]:
+        """PPO epochs over this DP rank's rows in mini-batches of ``mini_batch_rows``; with
+        ``routed_experts`` in the batch every training forward (and recompute) replays them."""
         from loss.megatron_hook import policy_loss_func
+        from megatron_bridge.moe.routing import ROUTED_EXPERTS
 
         self.engine.sleep()
         a = self.cfg.actor_rollout_ref.actor
-        self.routing.enabled = False  # routing is counted on the old-log-prob pass only
-        try:
-            return self.actor.update(batch, mini_batch_rows, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
-                                     partial(policy_loss_func, self.loss_config))
-        finally:
-            self.routing.enabled = True
+        rows, width = batch["input_ids"].shape
+        with self.routing.recording(rows, width, capture=False, replay=ROUTED_EXPERTS in batch, training=True) as out:
+            steps = self.actor.update(batch, mini_batch_rows, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
+                                      partial(policy_loss_func, self.loss_config))
+        return steps, out.record
 
     def memory(self) -> dict[str, float]:
         from recipe.metrics import memory_metrics

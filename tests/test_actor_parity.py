@@ -1,6 +1,7 @@
-"""The sharded megatron model loaded from a HF checkpoint gives transformers' log-probs, in every
-parallel layout, each rank reads only its own shard of the checkpoint, and the rollout weight
-stream gives the checkpoint back bit for bit (names and shapes included).
+"""The sharded megatron model loaded from a HF checkpoint gives transformers' log-probs and routes
+every token to transformers' top-k experts in every layer, in every parallel layout; each rank
+reads only its own shard of the checkpoint, and the rollout weight stream gives the checkpoint back
+bit for bit (names and shapes included).
 
 Runs ``megatron_bridge.verify`` (the check users run on their cluster) on CPU gloo ranks.
 """
@@ -44,6 +45,10 @@ def test_sharded_log_probs_equal_transformers(name, checkpoint, tmp_path):
     assert report["passed"] and all(r["passed"] for r in reports)
     assert report["max_abs_delta_log_prob"] < TOLERANCE
     assert report["tokens"] == 2 * 23 * world_size // _model_parallel(flags)
+    # routing captured on the ranks, put together: the same top-k sets as transformers, every token and layer
+    routing = report["routing"]
+    assert routing["passed"] and routing["slot_frac_differs"] == 0.0 and routing["token_any_frac_differs"] == 0.0
+    assert routing["tokens"] == 2 * 24 * world_size // _model_parallel(flags)
     # Each rank read exactly the bytes of the parameters it holds (fp32 checkpoint, fp32 model) ...
     assert report["bytes_read_per_rank"] == report["parameter_bytes_per_rank"]
     # ... which is less than the whole model whenever the layout shards it.

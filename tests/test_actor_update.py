@@ -1,6 +1,6 @@
 """One GSPO and one GRPO update through megatron's forward_backward_func, DistributedOptimizer and
 the loss hook give the same new weights however the mini-batch is split: micro-batch 1 vs 4,
-DP1 vs DP2, PP1 vs PP2, EP1 vs EP2. Plus the steps that must not break the weights."""
+DP1 vs DP2, PP1 vs PP2 (also interleaved, VPP2), EP1 vs EP2. Plus the steps that must not break the weights."""
 
 import math
 
@@ -11,7 +11,7 @@ from loss.megatron_hook import ActorLossConfig
 from megatron_bridge.plan.layout import TrainParallel
 from tests.distributed import run_ranks
 from megatron_bridge.tiny_model import save_tiny_checkpoint as save_checkpoint
-from megatron_bridge.verify import reference_log_probs
+from megatron_bridge.verify import reference
 
 ROWS, WIDTH = 8, 6
 LOSSES = {
@@ -32,7 +32,7 @@ def make_batch(checkpoint: str, seed: int = 0) -> dict[str, torch.Tensor]:
     mask = (torch.arange(WIDTH) < response[:, None]).float()
     positions = (prompt[:, None] + torch.arange(WIDTH)).clamp(max=length - 1)
     ids = torch.where(torch.arange(length) < (prompt + response)[:, None], ids, 0)  # right padding
-    own = reference_log_probs(checkpoint, ids)  # [B, S-1]: token t+1 given tokens <= t
+    own = reference(checkpoint, ids)[0]  # [B, S-1]: token t+1 given tokens <= t
     own = own.gather(1, (positions - 1).clamp(max=length - 2))
     return {
         "input_ids": ids,
@@ -119,6 +119,8 @@ SPLITS = {
     "dp1_mb1": (1, {}, 1),
     "dp2_mb1": (2, {}, 1),
     "pp2_mb1": (2, {"pp": 2}, 1),
+    # the interleaved schedule with PP 2: both p2p directions run between the same two ranks
+    "pp2_vpp2_mb2": (2, {"pp": 2, "vpp": 2}, 2),
     "ep2_mb2": (2, {"ep": 2, "etp": 1}, 2),
 }
 

@@ -153,6 +153,8 @@ def test_missing_recipe_file():
      "actor_rollout_ref.actor.megatron.expert_model_parallel_size"),
     ("actor_rollout_ref.rollout.data_paralel_size=2", "actor_rollout_ref.rollout.data_paralel_size",
      "actor_rollout_ref.rollout.data_parallel_size"),
+    ("actor_rollout_ref.actor.megatron.router_replay.mdoe=R2", "actor_rollout_ref.actor.megatron.router_replay.mdoe",
+     "actor_rollout_ref.actor.megatron.router_replay.mode"),
 ])
 def test_unknown_keys_name_the_nearest(override, key, nearest):
     message = error(TINY, [override])
@@ -185,6 +187,7 @@ def test_type_errors_name_key_value_and_type(override, expected):
     ("trainer.logger", "[console, mlflow]", "console, jsonl, tensorboard, swanlab, wandb"),
     ("actor_rollout_ref.model.dtype", "float16", "bfloat16, float32"),
     ("algorithm.adv_estimator", "gae", "grpo"),
+    ("actor_rollout_ref.actor.megatron.router_replay.mode", "R1", "disabled, R2, R3"),
 ])
 def test_choice_errors_list_the_choices(key, value, valid):
     message = error(TINY, [f"{key}={value}"])
@@ -218,6 +221,18 @@ def test_batch_arithmetic_errors_name_the_numbers():
     message = error(TINY, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"])
     assert "128 / 2 = 64 rows" in message and "ppo_micro_batch_size_per_gpu (5)" in message
     assert "1, 2, 4, 8, 16, 32, 64" in message
+
+
+def test_router_replay_keys_have_verl_spellings():
+    cfg = load_config(TINY, ["actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
+    assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
+    assert cfg.layout.train.ep == 2  # the layout keys beside router_replay are still the layout's
+    assert config_to_dict(cfg)["actor_rollout_ref"]["actor"]["megatron"]["router_replay"] == {"mode": "R3"}
+    message = error(TINY, ["actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                           "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"])
+    assert "mode=R3 replays the rollout engine's routing" in message and "enable_rollout_routing_replay=true" in message
+    assert "trainer.routing_drift_freq=0: must be -1 (never) or >= 1" in error(TINY, ["trainer.routing_drift_freq=0"])
 
 
 def test_resume_path_needs_a_path():

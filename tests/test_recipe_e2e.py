@@ -104,8 +104,15 @@ def test_tiny_recipe_raises_the_score(tmp_path, algo):
     assert lines == [str(k) for k in steps]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
                 "response_length/mean", "timing_s/gen", "timing_s/reshard", "timing_s/old_log_prob",
-                "timing_s/update_actor", "perf/throughput", "moe/load_imbalance_mean"):
+                "timing_s/update_actor", "perf/throughput", "moe/load_imbalance_mean", "moe/routing_drift/slot_frac",
+                "moe/routing_drift/slot_frac/layer_3", "moe/routing_drift/token_any_frac", "moe/router_entropy/mean",
+                "moe/rollout_routing_mismatch/slot_frac", "moe/routing_bytes", "timing_s/routing_drift"):
         assert all(key in history[k] for k in steps), key
+    # each update moves the router: the same tokens route to other experts afterwards; the rollout
+    # engine (fp32, the actor's weights) routes exactly as the trainer's old-log-prob pass
+    drift = [history[k]["moe/routing_drift/slot_frac"] for k in steps]
+    assert all(0 <= d < 0.5 for d in drift) and sum(drift) > 0, drift
+    assert all(history[k]["moe/rollout_routing_mismatch/slot_frac"] == 0.0 for k in steps)
 
 
 # Measured with the shipped seeds through this trainer (docs/recipe.md): GSPO -0.41 -> +0.97, GRPO

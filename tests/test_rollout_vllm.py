@@ -263,6 +263,44 @@ def test_bad_outputs_raise(broken, message):
         ve.to_generation([request(PROMPTS[0], c)], PROMPTS[:1])
 
 
+def test_outputs_with_routed_experts_become_a_generation():
+    """vLLM >= 0.14 reports [tokens, layers, k] from the first prompt token; the recipe keeps the
+    tokens the model read (not the last response token), ids ascending, int16."""
+    import numpy as np
+
+    c = completion([10, 11, 2], [-0.5, -1.25, -0.125], "stop")
+    c.routed_experts = np.array([[[3, 1]], [[0, 2]], [[7, 5]], [[4, 6]], [[1, 0]], [[2, 3]]])  # 3 + 3 tokens, 1 layer
+    generation = ve.to_generation([request([5, 6, 7], c)], [[5, 6, 7]], routed_experts=True)
+    (table,) = generation.routed_experts
+    assert table.dtype == torch.int16 and table.tolist() == [[[1, 3]], [[0, 2]], [[5, 7]], [[4, 6]], [[0, 1]]]
+    assert ve.to_generation([request([5, 6, 7], c)], [[5, 6, 7]]).routed_experts is None
+    c.routed_experts = np.zeros((4, 1, 2))
+    with pytest.raises(RuntimeError, match=r"routed_experts has shape \(4, 1, 2\), expected \[>= 5"):
+        ve.to_generation([request([5, 6, 7], c)], [[5, 6, 7]], routed_experts=True)
+    del c.routed_experts
+    with pytest.raises(RuntimeError, match="no routed_experts"):
+        ve.to_generation([request([5, 6, 7], c)], [[5, 6, 7]], routed_experts=True)
+
+
+def test_routed_experts_need_a_vllm_that_reports_them():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Old:  # vLLM 0.11's EngineArgs has no such field
+        model: str = ""
+
+    @dataclass
+    class New:
+        enable_return_routed_experts: bool = False
+
+    assert vs.routed_experts_problem(New, "0.14.0") is None
+    problem = vs.routed_experts_problem(Old, "0.11.0")
+    assert "vLLM 0.11.0" in problem and "enable_rollout_routing_replay=false" in problem and "0.14" in problem
+    args = vs.engine_args("/m", RolloutParallel(tp=1, dp=1), return_routed_experts=True)
+    assert args["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in vs.engine_args("/m", RolloutParallel(tp=1, dp=1))
+
+
 def test_outputs_out_of_order_or_with_several_completions_raise():
     a = request(PROMPTS[0], completion([10], [-0.5], "length"))
     b = request(PROMPTS[1], completion([11], [-0.5], "length"))

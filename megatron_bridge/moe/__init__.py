@@ -1,2 +1,3 @@
-"""Expert routing of the MoE layers: tokens per expert counted from megatron's routers
-(``routing_stats``)."""
+"""Expert routing of the MoE layers: capture and replay on megatron's routers (``routing``),
+transformers' routing (``hf_routing``), and routing tables, the layout-independent form in which
+routings are put together and compared (``table``)."""

@@ -45,8 +45,8 @@ def memory_violations(report: memory.MemoryReport) -> list[Violation]:
         out.append(Violation(
             "memory.train_fits",
             f"training needs about {gib(report.train_peak)} per device on pipeline stage {report.pp_rank} "
-            f"(weights, grads, optimizer {gib(report.static.total)} exact; activations + logits "
-            f"{gib(report.activations + report.logits)} estimated) but the device has {gib(report.device_bytes)}; "
+            f"(weights, grads, optimizer {gib(report.static.total)} exact; activations, logits and routing ids "
+            f"{gib(report.activations + report.logits + report.routing)} estimated) but the device has {gib(report.device_bytes)}; "
             "raise PP or EP, turn on full recompute, or use more devices",
         ))
     if report.rollout_fits is False:

@@ -7,8 +7,8 @@ optimizer's fp32 main parameters and Adam moments, reproducing megatron-core 0.1
 lcm(DP, 128)) and its sharding: dense parameters over DP*CP, expert parameters (EP > 1) over the
 expert-data-parallel group EDP = W / (ETP*EP*PP). These differ for MoE (facts §2, §5).
 
-Estimated: activations (with and without full recompute), fp32 vocab-parallel logits, the rollout
-engine's share. The formulas are stated where they are computed.
+Estimated: activations (with and without full recompute), fp32 vocab-parallel logits, the expert
+ids of routing capture and replay, the rollout engine's share. The formulas are stated where they are computed.
 """
 
 from __future__ import annotations
@@ -214,6 +214,13 @@ def activation_memory(spec: ModelSpec, t: TrainParallel, layers: int, tokens: in
     return int(layers * per_layer * in_flight_microbatches(t))
 
 
+def routing_memory(spec: ModelSpec, t: TrainParallel, layers: int, tokens: int) -> int:
+    """What routing capture and replay keep on the device: each layer's k expert ids (int64) per
+    local token of the micro-batches in flight (replay keeps them for the recompute in backward;
+    capture moves them to the host after each micro-batch)."""
+    return int(layers * tokens / (t.tp * t.cp) * spec.moe_topk * 8 * in_flight_microbatches(t))
+
+
 def logits_memory(spec: ModelSpec, t: TrainParallel, tokens: int) -> int:
     """ESTIMATE for the last stage: vocab-parallel logits of a micro-batch, bf16 output plus the
     fp32 copy and fp32 softmax that cross-entropy / log-prob and entropy keep (2 + 4 + 4 bytes)."""
@@ -237,6 +244,7 @@ class MemoryReport:
     static: StaticMemory
     activations: int
     logits: int
+    routing: int
     device_bytes: int | None
     rollout_share: int | None
     rollout_weights: int
@@ -245,7 +253,7 @@ class MemoryReport:
 
     @property
     def train_peak(self) -> int:
-        return self.static.total + self.activations + self.logits
+        return self.static.total + self.activations + self.logits + self.routing
 
     @property
     def train_fits(self) -> bool | None:
@@ -275,11 +283,12 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
     for pp_rank in range(t.pp):
         static = static_memory(spec, layout, pp_rank)
         acts = activation_memory(spec, t, sum(chunks[pp_rank]), tokens)
+        routing = routing_memory(spec, t, sum(chunks[pp_rank]), tokens)
         logits = logits_memory(spec, t, tokens) if pp_rank == t.pp - 1 else 0
         resident = (0 if t.param_offload else static.weights) + (0 if t.grad_offload else static.grads) + (
             0 if t.optimizer_offload else static.optimizer)
         reports.append(MemoryReport(
-            pp_rank=pp_rank, static=static, activations=acts, logits=logits, device_bytes=device,
+            pp_rank=pp_rank, static=static, activations=acts, logits=logits, routing=routing, device_bytes=device,
             rollout_share=int(r.gpu_memory_utilization * device) if device else None,
             rollout_weights=rollout_weight_bytes(spec, layout), resident_during_rollout=resident,
         ))
@@ -290,5 +299,6 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
         ("optimizer (fp32 master + Adam m, v)", worst.static.optimizer, True),
         ("activations" + (" (full recompute)" if t.recompute_granularity == "full" else ""), worst.activations, False),
         ("logits (fp32, vocab-parallel)", worst.logits, False),
+        ("routing ids (capture, replay)", worst.routing, False),
     ]
     return worst

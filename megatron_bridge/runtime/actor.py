@@ -11,14 +11,16 @@ finite.
 Batch convention (a dict of tensors, this DP rank's rows): ``input_ids`` [B, S] = prompt then
 response, right-padded; ``prompt_lengths`` [B]; ``response_mask`` [B, R] over the response window;
 any other [B, ...] tensors the loss hook needs. Every rank of one DP replica gets the same rows.
+Micro-batches also carry ``row_index`` [b], each row's index in the batch of the pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -29,6 +31,7 @@ from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 from megatron_bridge.plan.model_spec import ModelSpec
 
 LR_DECAY_STYLES = ("constant", "cosine")
+ROW_INDEX = "row_index"  # micro-batch key: the rows' indices in the pass's batch
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,9 @@ class MegatronActor:
         self.dp_size = ps.get_data_parallel_world_size()
         self.optimizer = self.scheduler = None
         self.steps = 0
-        # called with each micro-batch and the padded length before its forward (routing stats)
-        self.before_forward: Callable[[dict, int], None] | None = None
+        # entered around each micro-batch's model call, with the micro-batch and its padded length
+        # (routing capture and replay: a router call outside it is activation recompute)
+        self.forward_context: Callable[[dict, int], ContextManager] = lambda micro_batch, seq_len: contextlib.nullcontext()
 
     # --- weights ---------------------------------------------------------------------------
 
@@ -182,7 +186,8 @@ class MegatronActor:
         if ids.shape[1] < seq_len:
             ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]))
         positions = torch.arange(seq_len, device=self.device).expand_as(ids)
-        padded = {**batch, "input_ids": ids, "position_ids": positions}
+        rows = torch.arange(len(ids), device=self.device)
+        padded = {**batch, "input_ids": ids, "position_ids": positions, ROW_INDEX: rows}
         return split_rows(padded, micro_batch_size), seq_len
 
     def _run(self, micro_batches: list, seq_len: int, loss_fn: Callable, forward_only: bool) -> list:
@@ -190,9 +195,8 @@ class MegatronActor:
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
-            if self.before_forward is not None:
-                self.before_forward(mb, seq_len)
-            output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
+            with self.forward_context(mb, seq_len):
+                output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
             return output, partial(loss_fn, mb)
 
         iterators = [iter(micro_batches) for _ in self.chunks]

@@ -84,6 +84,11 @@ def transformer_config(spec: ModelSpec, train: TrainParallel, options: BuildOpti
         recompute_num_layers=train.recompute_num_layers if recompute == "full" else None,
         params_dtype=options.params_dtype,
         pipeline_dtype=options.params_dtype,
+        # As Megatron-LM's training sets them with VPP: batched p2p of the interleaved schedule posts a
+        # send and a receive in both directions between the same two ranks when PP = 2, which cross
+        # (megatron/training/arguments.py requires PP > 2 without the overlap).
+        overlap_p2p_comm=train.vpp is not None,
+        batch_p2p_comm=train.vpp is None,
         bf16=options.params_dtype == torch.bfloat16,
         variable_seq_lengths=dispatcher not in ("allgather", "alltoall_seq"),
         use_cpu_initialization=platform_name == "cpu",

@@ -76,6 +76,9 @@ class Generation:
     token_ids: list[list[int]]
     log_probs: list[list[float]]  # one per response token (see the module doc)
     finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop token) or "length"
+    # with routing reported: per response, [prompt + response - 1 tokens, layers, k] int16 expert ids,
+    # ascending, from the first prompt token on; the last response token is never fed to the model
+    routed_experts: list[torch.Tensor] | None = None
 
 
 @dataclass

@@ -16,6 +16,10 @@ transformers' ``MergeModulelist`` + ``Concatenate`` conversion for ``qwen2_moe``
 Log-probs follow ``recipe.rollout.base``: log softmax(logits / temperature) over the full
 vocabulary in float32, before top-k / top-p; greedy decoding (temperature 0) reports them at
 temperature 1.
+
+With ``return_routed_experts`` each response comes with the experts every MoE layer chose for each
+of its tokens while generating (the prefill for the prompt, one decode step per response token),
+which routing replay (R3) and the train-rollout routing metrics use.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from megatron_bridge.moe.hf_routing import HFRoutingRecorder
 from recipe.rollout.base import (
     Generation,
     LoadStats,
@@ -74,6 +79,7 @@ class HFEngine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         load_from_checkpoint: bool = False,
+        return_routed_experts: bool = False,
     ):
         self.dtype = dtype
         self.device = torch.device(device)
@@ -95,6 +101,7 @@ class HFEngine:
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.config = self.model.config
         self.eos_token_ids = _eos_token_ids(self.model)
+        self.routing = HFRoutingRecorder(self.model) if return_routed_experts else None
         self._slots = _hub_slots(self.model)
         self._spare: dict[str, torch.Tensor] = {}  # staging tensors for the next load_weights
         self._asleep = False
@@ -157,7 +164,7 @@ class HFEngine:
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
         if not prompts:
-            return Generation(token_ids=[], log_probs=[], finish_reasons=[])
+            return Generation(token_ids=[], log_probs=[], finish_reasons=[], routed_experts=[] if self.routing else None)
         check_prompts(prompts, params.max_tokens, self.config.vocab_size, self.config.max_position_embeddings,
                       "model's max_position_embeddings")
         batch, width = len(prompts), max(len(p) for p in prompts)
@@ -186,6 +193,7 @@ class HFEngine:
         lengths = torch.full((batch,), params.max_tokens, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
         cache = DynamicCache(config=self.config)
+        fed_routing = []  # per model call: [batch, tokens fed, layers, k]
         for step in range(params.max_tokens):
             logits = self.model(
                 input_ids=input_ids,
@@ -195,6 +203,8 @@ class HFEngine:
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
+            if self.routing is not None:
+                fed_routing.append(self.routing.take().view(batch, input_ids.shape[1], -1, self.routing.topk))
             token, log_prob = _sample(logits.float(), params, generators)
             tokens[:, step], log_probs[:, step] = token, log_prob
             # finished rows go on decoding (keeps the batch rectangular); their tail is cut below
@@ -208,10 +218,15 @@ class HFEngine:
             positions = positions[:, -1:] + 1
 
         lengths = lengths.tolist()
+        routed = None
+        if self.routing is not None:
+            fed = torch.cat(fed_routing, dim=1)  # columns: the left-padded prompt, then response tokens 0, 1, ...
+            routed = [fed[i, width - len(p) : width + n - 1].clone() for i, (p, n) in enumerate(zip(prompts, lengths))]
         return Generation(
             token_ids=[row[:n] for row, n in zip(tokens.tolist(), lengths)],
             log_probs=[row[:n] for row, n in zip(log_probs.tolist(), lengths)],
             finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+            routed_experts=routed,
         )
 
     # -- colocated mode -----------------------------------------------------------------------

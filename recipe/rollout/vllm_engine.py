@@ -67,6 +67,7 @@ from recipe.rollout.vllm_setup import (
     model_eos_token_ids,
     require_vllm,
     rollout_env,
+    routed_experts_problem,
 )
 from recipe.rollout.vllm_weights import (
     _PARTIAL,
@@ -122,12 +123,15 @@ def _sampled_log_prob(step: Any, token: int, where: str) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
-def to_generation(outputs: Sequence[Any], prompts: Sequence[Sequence[int]] | None = None) -> Generation:
+def to_generation(outputs: Sequence[Any], prompts: Sequence[Sequence[int]] | None = None,
+                  routed_experts: bool = False) -> Generation:
     """``Generation`` from vLLM's ``RequestOutput`` list (``.prompt_token_ids``, ``.outputs[0]`` with
-    ``.token_ids``, ``.logprobs``, ``.finish_reason``), checking order and completeness."""
+    ``.token_ids``, ``.logprobs``, ``.finish_reason`` and, with ``routed_experts``,
+    ``.routed_experts`` [tokens, layers, k] from the first prompt token), checking order and
+    completeness."""
     if prompts is not None and len(outputs) != len(prompts):
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-    token_ids, log_probs, reasons = [], [], []
+    token_ids, log_probs, reasons, routed = [], [], [], []
     for i, out in enumerate(outputs):
         got = getattr(out, "prompt_token_ids", None)
         if prompts is not None and got is not None and list(got) != list(prompts[i]):
@@ -146,7 +150,22 @@ def to_generation(outputs: Sequence[Any], prompts: Sequence[Sequence[int]] | Non
         token_ids.append(ids)
         log_probs.append([_sampled_log_prob(step, t, f"request {i} token {k}") for k, (step, t) in enumerate(zip(steps, ids))])
         reasons.append(completion.finish_reason)
-    return Generation(token_ids=token_ids, log_probs=log_probs, finish_reasons=reasons)
+        if routed_experts:
+            routed.append(_routed_experts(completion, len(out.prompt_token_ids) + len(ids) - 1, i))
+    return Generation(token_ids=token_ids, log_probs=log_probs, finish_reasons=reasons,
+                      routed_experts=routed if routed_experts else None)
+
+
+def _routed_experts(completion: Any, tokens: int, i: int) -> torch.Tensor:
+    """The experts of the prompt and response tokens the model read (the last response token it
+    never read), as the recipe's int16 [tokens, layers, k], ascending."""
+    experts = getattr(completion, "routed_experts", None)
+    if experts is None:
+        raise RuntimeError(f"request {i}: no routed_experts although the engine was asked for them")
+    table = torch.as_tensor(experts)
+    if table.dim() != 3 or table.shape[0] < tokens:
+        raise RuntimeError(f"request {i}: routed_experts has shape {tuple(table.shape)}, expected [>= {tokens}, layers, k]")
+    return table[:tokens].sort(dim=-1).values.to(torch.int16)
 
 
 # -- vLLM's model runner (pure) -----------------------------------------------------------------
@@ -251,6 +270,7 @@ class VLLMEngine:
         load_format: str = "dummy",
         process_after_load: bool | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
+        return_routed_experts: bool = False,
     ):
         if platform is None:
             from megatron_bridge.runtime.platform import active
@@ -300,11 +320,17 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self._vllm, self._tokens_prompt = vllm, TokensPrompt
+        if return_routed_experts:
+            problem = routed_experts_problem(vllm.EngineArgs, vllm.__version__)
+            if problem:
+                raise RuntimeError(problem)
+        self.return_routed_experts = return_routed_experts
         self.engine_kwargs = engine_args(
             self.model_path, rollout, dtype=dtype, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs, seed=seed,
             enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager, load_format=load_format,
-            skip_tokenizer_init=not has_tokenizer(self.model_path), extra=engine_kwargs,
+            skip_tokenizer_init=not has_tokenizer(self.model_path), return_routed_experts=return_routed_experts,
+            extra=engine_kwargs,
         )
         self._rng = _device_rng(platform)
         with _preserved_rngs(self._rng):
@@ -421,7 +447,7 @@ class VLLMEngine:
         finally:
             self._gen_rng_state = self._rng.get_rng_state()
             self._rng.set_rng_state(trainer_state)
-        return to_generation(outputs, prompts)
+        return to_generation(outputs, prompts, routed_experts=self.return_routed_experts)
 
     # -- colocated mode -----------------------------------------------------------------------
 

@@ -94,6 +94,7 @@ def engine_args(
     enforce_eager: bool = False,
     load_format: str = "dummy",
     skip_tokenizer_init: bool = True,
+    return_routed_experts: bool = False,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` for one colocated rank (vLLM 0.11 names).
@@ -130,6 +131,8 @@ def engine_args(
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    if return_routed_experts:  # see routed_experts_problem
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update({k: v for k, v in (extra or {}).items() if v is not None})
     return kwargs
 
@@ -242,6 +245,22 @@ def check_launcher_env(environ: Mapping[str, str]) -> None:
         raise RuntimeError(
             f"{', '.join(missing)} not set: vLLM's external_launcher mode reads them as torchrun sets them"
         )
+
+
+def routed_experts_problem(engine_args_class: Any, version: str) -> str | None:
+    """Why this vLLM cannot report each token's experts, or None when it can. The engine argument
+    ``enable_return_routed_experts`` (``CompletionOutput.routed_experts``, [tokens, layers, k] from
+    the first prompt token) first shipped in vLLM 0.14 (PR #28284); the pinned vLLM 0.11 and
+    vLLM-Ascend 0.11.0rc1 lack it."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(engine_args_class)} if dataclasses.is_dataclass(engine_args_class) else set()
+    if "enable_return_routed_experts" in names:
+        return None
+    return (f"vLLM {version} cannot report the experts it routes each token to (its EngineArgs has no "
+            "enable_return_routed_experts, which vLLM added in 0.14); routing replay R3 and the "
+            "moe/rollout_routing_mismatch metrics need it: set actor_rollout_ref.rollout.enable_rollout_routing_replay=false "
+            "(and router_replay.mode=R2 or disabled), or install a vLLM / vLLM-Ascend pair that has it")
 
 
 def require_vllm(platform: str) -> None:

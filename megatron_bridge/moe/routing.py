@@ -1,0 +1,284 @@
+"""Routing capture and replay on megatron-core's ``TopKRouter``, in any TP/SP/PP/VPP/EP/ETP layout.
+
+megatron-core 0.12.1 has no router replay (``RouterReplay`` arrives in 0.16). Here one wrapper
+around ``TopKRouter.routing`` -- installed once per process, around whatever routing is in place,
+so MindSpeed's replacement (``routing_tp_extend_ep``) is wrapped too -- hands each routing result
+of the routers a ``RoutingTap`` is attached to, with the router's logits, to that tap. The tap
+
+- records the experts each token went to (capture), in the layout-independent form of
+  ``megatron_bridge.moe.table`` (row, position, layer, k);
+- forces given experts (replay): the gate weights are the router's probabilities at the replayed
+  experts, computed from this forward's logits the way the router computes them (Qwen3-MoE's
+  ``norm_topk_prob``: a softmax over the k chosen logits), so the router keeps its gradient.
+
+Tokens reach a router as [s, b] flattened sequence-major; with sequence parallel each TP rank
+routes its 1/TP slice of s. The actor announces each micro-batch around its model call
+(``micro_batch``); a routing call outside that is activation recompute during the backward pass,
+which replays the experts that micro-batch's forward used: first in, first out per router, the
+order in which megatron's schedules run a stage's backward passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from megatron_bridge.moe.table import NONE, ROUTING_DTYPE, RoutingRecord, changed_slots, empty_routing
+from megatron_bridge.runtime.actor import ROW_INDEX, response_ends
+
+ROUTED_EXPERTS = "routed_experts"  # batch key: [rows, width, layers, k] expert ids to replay, -1: keep the router's
+
+
+_wrapped = False
+
+
+def install() -> None:
+    """Wrap ``TopKRouter.routing`` (once per process; routers without a tap are untouched)."""
+    global _wrapped
+    if _wrapped:
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    inner = TopKRouter.routing
+
+    def routing(self, logits: torch.Tensor):
+        probs, routing_map = inner(self, logits)
+        tap = getattr(self, "routing_tap", None)
+        return (probs, routing_map) if tap is None else tap.on_routing(self, logits, probs, routing_map)
+
+    TopKRouter.routing = routing
+    _wrapped = True
+
+
+def replay_problems(config) -> list[str]:
+    """Why routing replay cannot run with this TransformerConfig (empty: it can)."""
+    out = []
+    if config.moe_expert_capacity_factor is not None:
+        out.append("moe_expert_capacity_factor is set: dropping tokens by capacity would undo the replayed routing")
+    if config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff:
+        out.append("a load-balancing aux loss is on: its gradient hangs on the routing that replay replaces")
+    if config.moe_z_loss_coeff:
+        out.append("the router z-loss is on: its gradient hangs on the routing that replay replaces")
+    if config.moe_router_score_function not in ("softmax", "sigmoid"):
+        out.append(f"score function {config.moe_router_score_function!r}")
+    return out
+
+
+def sorted_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """[tokens, experts] bool (exactly k per token, as dropless routing gives) -> [tokens, k] ids, ascending."""
+    ids = routing_map.nonzero()[:, 1]
+    if ids.numel() != routing_map.shape[0] * topk:
+        raise RuntimeError(f"routing chose {ids.numel()} experts for {routing_map.shape[0]} tokens, expected "
+                           f"{topk} each (capture needs dropless routing: no capacity factor)")
+    return ids.view(-1, topk)
+
+
+def replayed_gates(logits: torch.Tensor, experts: torch.Tensor, config) -> torch.Tensor:
+    """[tokens, k] gate weights at ``experts`` [tokens, k] from router ``logits`` [tokens, E],
+    as megatron-core's top-k routing computes them for the experts it picks itself."""
+    if config.moe_router_score_function == "softmax":
+        if config.moe_router_pre_softmax:
+            gates = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits).gather(1, experts)
+        else:
+            gates = torch.softmax(logits.gather(1, experts), dim=-1, dtype=torch.float32).type_as(logits)
+    else:  # sigmoid; an expert bias only steers the choice, it is not in the weights
+        gates = torch.sigmoid(logits.float()).type_as(logits).gather(1, experts)
+        if experts.shape[1] > 1:
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+    if config.moe_router_topk_scaling_factor:
+        gates = gates * config.moe_router_topk_scaling_factor
+    return gates
+
+
+@dataclass
+class _MicroBatch:
+    rows: torch.Tensor | None  # [b] row indices in the pass's batch (capture)
+    positions: slice  # the positions of the sequence this rank routes
+    valid: torch.Tensor  # [tokens] bool, in router order: positions before the row's response end
+    targets: dict[int, torch.Tensor]  # layer number -> [tokens, k] experts to replay (-1: keep)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer number -> [tokens, k]
+
+
+@dataclass
+class _Outcome:
+    record: RoutingRecord | None = None
+
+
+class RoutingTap:
+    """Capture and replay for the routers of one model (``chunks``: its pipeline chunks)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], topk: int, sequence_parallel: bool):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        install()
+        self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+        for router in self.routers:
+            router.routing_tap = self
+        self.layers = sorted(int(r.layer_number) for r in self.routers)  # 1-based, megatron's numbering
+        self.topk = topk
+        self.sequence_parallel = sequence_parallel
+        self._fifo: dict[int, deque] = {layer: deque() for layer in self.layers}
+        self._pops = dict.fromkeys(self.layers, 0)
+        self._pass: dict | None = None
+        self._micro: _MicroBatch | None = None
+        self._replay_checked = False
+
+    # --- one pass ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def recording(self, rows: int, width: int, *, capture: bool, replay: bool, training: bool) -> Iterator[_Outcome]:
+        """Around one pass over a batch of ``rows`` x ``width`` tokens: ``capture`` records the
+        router's choices, ``replay`` forces the micro-batches' ``routed_experts``, ``training``
+        marks a pass with a backward (whose recompute replays again). The outcome's ``record``
+        is set when the pass ends."""
+        self._begin(rows, width, capture, replay, training)
+        outcome = _Outcome()
+        try:
+            yield outcome
+        except BaseException:
+            self._pass = None
+            raise
+        outcome.record = self._end()
+
+    def _begin(self, rows: int, width: int, capture: bool, replay: bool, training: bool) -> None:
+        if replay and not self._replay_checked:
+            problems = replay_problems(self.routers[0].config) if self.routers else []
+            if problems:
+                raise ValueError("routing replay cannot run with this model config: " + "; ".join(problems))
+            self._replay_checked = True
+        device = self.routers[0].weight.device if self.routers else torch.device("cpu")
+        zeros = lambda dtype: torch.zeros(len(self.layers), dtype=dtype, device=device)  # noqa: E731
+        self._pass = dict(rows=rows, width=width, capture=capture, replay=replay, training=training, chunks=[],
+                          tokens=zeros(torch.long), overridden=zeros(torch.long), entropy=zeros(torch.float64),
+                          topk_mass=zeros(torch.float64))
+        for queue in self._fifo.values():
+            queue.clear()
+        self._pops = dict.fromkeys(self.layers, 0)
+
+    def _end(self) -> RoutingRecord:
+        """Finish the pass; checks that a recomputed layer replayed every forward exactly once."""
+        p, self._pass = self._pass, None
+        for layer, queue in self._fifo.items():
+            if self._pops[layer] and queue:
+                raise RuntimeError(f"routing replay: layer {layer - 1} was recomputed {self._pops[layer]} times but "
+                                   f"ran {self._pops[layer] + len(queue)} forwards; the recompute would not replay "
+                                   "the routing of its forward")
+            queue.clear()
+        routing = None
+        if p["capture"]:
+            routing = empty_routing(p["rows"], p["width"], len(self.layers), self.topk)
+            for index, values in p["chunks"]:
+                routing[index] = values
+        return RoutingRecord(
+            layers=[layer - 1 for layer in self.layers], routing=routing, tokens=p["tokens"].cpu(),
+            overridden_slots=p["overridden"].cpu(), entropy=p["entropy"].cpu(), topk_mass=p["topk_mass"].cpu(),
+        )
+
+    @contextlib.contextmanager
+    def micro_batch(self, micro_batch: dict[str, torch.Tensor], seq_len: int) -> Iterator[None]:
+        """Around one micro-batch's model call (``micro_batch`` padded to ``seq_len``)."""
+        if self._pass is None:
+            yield
+            return
+
+        ends = response_ends(micro_batch)
+        positions = slice(0, seq_len)
+        if self.sequence_parallel:
+            from megatron.core import parallel_state as ps
+
+            share = seq_len // ps.get_tensor_model_parallel_world_size()
+            start = ps.get_tensor_model_parallel_rank() * share
+            positions = slice(start, start + share)
+        span = torch.arange(positions.start, positions.stop, device=ends.device)
+        valid = (span[:, None] < ends[None, :]).reshape(-1)  # router order: [s, b] flattened
+        targets = {}
+        if self._pass["replay"] and ROUTED_EXPERTS in micro_batch:
+            experts = micro_batch[ROUTED_EXPERTS]
+            if experts.shape[1] < positions.stop:  # the actor pads the tokens to a multiple of TP
+                experts = torch.nn.functional.pad(experts, (0, 0, 0, 0, 0, positions.stop - experts.shape[1]), value=NONE)
+            experts = experts[:, positions]  # [b, s_local, layers, k]
+            for layer in self.layers:
+                target = experts[:, :, layer - 1].transpose(0, 1).reshape(-1, self.topk)
+                targets[layer] = _checked_target(target.to(ends.device).long(), self.routers[0].num_experts, layer)
+        self._micro = _MicroBatch(micro_batch.get(ROW_INDEX), positions, valid, targets)
+        try:
+            yield
+        finally:
+            micro, self._micro = self._micro, None
+        if self._pass["capture"] and micro.captured:
+            # one host copy per micro-batch and model chunk (with VPP a chunk runs some of this rank's layers)
+            layers = sorted(micro.captured)
+            stacked = torch.stack([micro.captured[layer] for layer in layers], dim=1).to(ROUTING_DTYPE).cpu()
+            values = stacked.view(-1, len(micro.rows), len(layers), self.topk).transpose(0, 1)  # [b, s_local, ., k]
+            kept = min(positions.stop, self._pass["width"]) - positions.start  # padding past the batch's width goes
+            if kept > 0:
+                index = (micro.rows.cpu()[:, None, None], torch.arange(positions.start, positions.start + kept)[None, :, None],
+                         torch.tensor([self.layers.index(layer) for layer in layers])[None, None, :])
+                self._pass["chunks"].append((index, values[:, :kept]))
+
+    # --- the routing wrapper calls this ---------------------------------------------------
+
+    def on_routing(self, router, logits: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        p, micro = self._pass, self._micro
+        if p is None:
+            return probs, routing_map
+        layer = int(router.layer_number)
+        logits = logits.reshape(-1, logits.shape[-1])
+        if routing_map.shape[0] != logits.shape[0]:
+            raise RuntimeError(f"routing capture/replay: the router of layer {layer - 1} returned routing for "
+                               f"{routing_map.shape[0]} tokens but got {logits.shape[0]} (alltoall_seq dispatcher?); "
+                               "use the alltoall or allgather dispatcher")
+        if micro is None:  # activation recompute in the backward pass: the forward's experts again
+            if not (p["replay"] and self._fifo[layer]):
+                return probs, routing_map
+            self._pops[layer] += 1
+            return self._forced(router, logits, self._fifo[layer].popleft(), probs, routing_map)
+        native = sorted_topk(routing_map, self.topk)
+        index = self.layers.index(layer)
+        with torch.no_grad():
+            valid = micro.valid
+            p["tokens"][index] += valid.sum()
+            scores = torch.softmax(logits[valid].detach().float(), dim=-1)
+            p["entropy"][index] += -(scores * torch.log(scores.clamp_min(1e-30))).sum().double()
+            p["topk_mass"][index] += scores.gather(1, native[valid]).sum().double()
+        if p["capture"]:
+            micro.captured[layer] = native
+        target = micro.targets.get(layer)
+        if target is None:
+            return probs, routing_map
+        with torch.no_grad():
+            replayed = (target >= 0).all(-1)
+            p["overridden"][index] += changed_slots(native[valid & replayed], target[valid & replayed]).sum()
+        if p["training"]:
+            self._fifo[layer].append(target)
+        return self._forced(router, logits, target, probs, routing_map)
+
+    def _forced(self, router, logits, target, probs, routing_map):
+        """(probs, routing_map) with the experts of ``target``; tokens with -1 keep the router's."""
+        keep = (target < 0).any(-1, keepdim=True)
+        experts = target.clamp(min=0)
+        gates = replayed_gates(logits, experts, router.config)
+        forced_probs = torch.zeros_like(logits).scatter(1, experts, gates)
+        forced_map = torch.zeros_like(routing_map).scatter(1, experts, True)
+        return torch.where(keep, probs, forced_probs), torch.where(keep, routing_map, forced_map)
+
+    def remove(self) -> None:
+        for router in self.routers:
+            router.routing_tap = None
+
+
+def _checked_target(target: torch.Tensor, num_experts: int, layer: int) -> torch.Tensor:
+    """Replayed experts must be k distinct ids in range (the dispatchers count k per token)."""
+    given = (target >= 0).all(-1)
+    rows = target[given]
+    bad = (rows >= num_experts).any(-1) | (rows.sort(-1).values.diff(dim=-1) == 0).any(-1)
+    if bool(bad.any()):
+        raise ValueError(f"routed_experts for layer {layer - 1}: a token lists an expert id twice or one outside "
+                         f"[0, {num_experts}); each token needs its k distinct experts (or -1 for none)")
+    if bool(((target >= 0).any(-1) & ~given).any()):
+        raise ValueError(f"routed_experts for layer {layer - 1}: a token mixes expert ids and -1")
+    return target
