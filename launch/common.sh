@@ -6,6 +6,8 @@
 #         -> ray start --head (this node's devices) -> wait for NNODES nodes (JOIN_TIMEOUT_S)
 #         -> ray job submit --runtime-env <generated> -- python -m recipe.main_<algo> ...
 #         -> follow the job, exit with its status -> stop this node's Ray.
+#         A comparison (launch_compare) submits one job per variant (python -m recipe.compare
+#         ... --variants <v>), one after another, then writes the report on the head.
 # Worker: check the recipe -> join the head with retries (JOIN_TIMEOUT_S) -> stay until the head's
 #         cluster ends -> stop this node's Ray.
 # Only what this launcher started is stopped (its own `ray start`, its own job), on success, on
@@ -15,9 +17,9 @@ launch_usage() {
   cat <<EOF
 usage: [VAR=value ...] bash $0 [--dry-run] [key.sub=value ...]
 
-Runs $LAUNCH_ALGO on the recipe ${RECIPE:-$LAUNCH_RECIPE}; run the same command on every node.
+Runs ${LAUNCH_VARIANTS:+the comparison of $LAUNCH_VARIANTS on }${LAUNCH_ALGO:+$LAUNCH_ALGO on }the recipe ${RECIPE:-$LAUNCH_RECIPE}; run the same command on every node.
   --dry-run       print the layout, memory per device, environment and each node's commands; start nothing
-  key.sub=value   recipe overrides, passed to python -m recipe.main_$LAUNCH_ALGO (after the variables below)
+  key.sub=value   recipe overrides, passed to the job (after the variables below)
 
 Environment (empty: the recipe's or layout's own value):
   NNODES, NPUS_PER_NODE   cluster shape (default: the layout's trainer.nnodes / n_gpus_per_node)
@@ -31,6 +33,10 @@ Environment (empty: the recipe's or layout's own value):
   RECIPE, RUNTIME_ENV     another recipe YAML / runtime env template (default configs/runtime_env/<by device>)
   NODE_ROLE, NODE_IP      head|worker and this node's address, when auto-detection is wrong
   RAY_AUTH_MODE (token)   Ray's token auth; every node needs the head's ~/.ray/auth_token or RAY_AUTH_TOKEN
+Comparison launchers only:
+  VARIANTS (grpo,grpo_r2,gspo)  one job per variant (recipe.compare's names), then the report
+  SEEDS (1)               comma-separated; each job runs its variant for every seed
+  COMPARE_DIR             where the runs and report/ go (default runs/compare/<recipe>); shared storage
 More, with the multi-node procedure: docs/launch.md
 EOF
 }
@@ -166,6 +172,13 @@ run_waiting() {
 
 # ---- main ----------------------------------------------------------------------------------------
 
+# launch_compare <recipe> [--dry-run] [key=value ...]: launch_main for a comparison: one job per
+# variant of $VARIANTS on one Ray cluster, then the report (docs/stability.md).
+launch_compare() {
+  LAUNCH_VARIANTS=${VARIANTS:-grpo,grpo_r2,gspo}
+  launch_main "$1" "" "${@:2}"
+}
+
 # launch_main <recipe> <algo> [--dry-run] [key=value ...]
 launch_main() {
   LAUNCH_RECIPE=$1
@@ -204,6 +217,9 @@ launch_main() {
   HCCL_BUFFSIZE=${HCCL_BUFFSIZE:-}
   RUNTIME_ENV=${RUNTIME_ENV:-}
   PYTHON=${PYTHON:-python}
+  LAUNCH_VARIANTS=${LAUNCH_VARIANTS:-}
+  SEEDS=${SEEDS:-1}
+  COMPARE_DIR=$(realpath -m "${COMPARE_DIR:-runs/compare/$(basename "$RECIPE" .yaml)}")
   local name
   for name in RAY_PORT DASHBOARD_PORT JOIN_TIMEOUT_S RAY_START_TIMEOUT_S; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die 2 "$name=${!name}: expected a whole number"
@@ -240,7 +256,7 @@ launch_main() {
   trap 'on_signal INT' INT
   trap 'on_signal TERM' TERM
 
-  log "$NODE_ROLE node $(hostname -s); recipe ${RECIPE}; algo $LAUNCH_ALGO"
+  log "$NODE_ROLE node $(hostname -s); recipe ${RECIPE}; ${LAUNCH_VARIANTS:+variants $LAUNCH_VARIANTS, seeds $SEEDS, in $COMPARE_DIR}${LAUNCH_ALGO:+algo $LAUNCH_ALGO}"
   log "MASTER_ADDR=$MASTER_ADDR RAY_PORT=$RAY_PORT DASHBOARD_PORT=$DASHBOARD_PORT JOIN_TIMEOUT_S=$JOIN_TIMEOUT_S LOG_DIR=$LOG_DIR PARALLEL=${PARALLEL:-(from the recipe)}"
 
   # 1. The recipe and layout, checked exactly as the job will load them, before anything starts.
@@ -288,8 +304,9 @@ launch_main() {
   WAIT_CMD=("$PYTHON" -m recipe.cluster wait-nodes --dashboard "$DASHBOARD_URL" --address "$MASTER_IP:$RAY_PORT"
     --expect "$NNODES" --timeout "$JOIN_TIMEOUT_S" --resource "$DEVICE_RESOURCE" --per-node "$NPUS_PER_NODE"
     --node-ips "$NODE_IPS")
-  SUBMIT_CMD=(ray job submit --address "$DASHBOARD_URL" --submission-id "$JOB_NAME"
-    --runtime-env "$RUN_LOG/runtime_env.yaml" -- "$PYTHON" -m "recipe.main_$LAUNCH_ALGO" "${JOB_ARGS[@]}")
+  # A comparison's report, on the head once every variant's job is done (its runs are finished, so
+  # recipe.compare only writes the report).
+  REPORT_CMD=("$PYTHON" -m recipe.compare "${JOB_ARGS[@]}" --variants "$LAUNCH_VARIANTS" --seeds "$SEEDS" --out "$COMPARE_DIR")
   WORKER_BASE=(ray start --address "$MASTER_IP:$RAY_PORT" --block --disable-usage-stats "${resources[@]}")
   WORKER_CMD=("${WORKER_BASE[@]}" --node-ip-address "$NODE_IP")
 
@@ -344,7 +361,13 @@ dry_run_report() {
   echo "runtime env of the job (every worker):"
   sed 's/^/  /' "$OUT_DIR/runtime_env.yaml"
   echo "head node ($MASTER_IP) runs:"
-  printf '  %s\n' "$(quote_cmd "${HEAD_CMD[@]}")" "$(quote_cmd "${WAIT_CMD[@]}")" "$(quote_cmd "${SUBMIT_CMD[@]}")"
+  printf '  %s\n' "$(quote_cmd "${HEAD_CMD[@]}")" "$(quote_cmd "${WAIT_CMD[@]}")"
+  local job
+  for job in $(jobs_to_submit); do
+    submit_cmd "$job"
+    printf '  %s\n' "$(quote_cmd "${SUBMIT_CMD[@]}")"
+  done
+  [[ -n $LAUNCH_VARIANTS ]] && printf '  %s\n' "$(quote_cmd "${REPORT_CMD[@]}")"
   if ((NNODES > 1)); then
     echo "each of the $((NNODES - 1)) worker node(s) runs:"
     # From the head, a worker's address is unknown: it is the worker's own on the route to the head.
@@ -355,20 +378,45 @@ dry_run_report() {
   echo "then the head stops its Ray when the job ends; the workers stop theirs when the head is gone."
 }
 
+# The jobs a head submits: "main" (the recipe's entry), or a comparison's variants.
+jobs_to_submit() {
+  if [[ -n $LAUNCH_VARIANTS ]]; then echo "${LAUNCH_VARIANTS//,/ }"; else echo main; fi
+}
+
+# submit_cmd <job>: SUBMIT_CMD and SUBMIT_ID for "main" or one comparison variant.
+submit_cmd() {
+  local entry=("$PYTHON" -m "recipe.main_$LAUNCH_ALGO" "${JOB_ARGS[@]}")
+  SUBMIT_ID=$JOB_NAME
+  if [[ $1 != main ]]; then
+    entry=("$PYTHON" -m recipe.compare "${JOB_ARGS[@]}" --variants "$1" --seeds "$SEEDS" --out "$COMPARE_DIR")
+    SUBMIT_ID=$JOB_NAME-$1
+  fi
+  SUBMIT_CMD=(ray job submit --address "$DASHBOARD_URL" --submission-id "$SUBMIT_ID"
+    --runtime-env "$RUN_LOG/runtime_env.yaml" -- "${entry[@]}")
+}
+
 run_head() {
   log "starting Ray head on $NODE_IP:$RAY_PORT ($NPUS_PER_NODE $DEVICE)"
   start_ray_node "$RUN_LOG/ray_head.log" "${HEAD_CMD[@]}" ||
     die 1 "ray start --head failed (log $RUN_LOG/ray_head.log): $(tail -n 3 "$RUN_LOG/ray_head.log" | tr '\n' ' ')"
   log "waiting up to ${JOIN_TIMEOUT_S}s for $NNODES node(s)"
   run_waiting "${WAIT_CMD[@]}" || die 1 "not all nodes joined; nothing was submitted"
-  log "submitting job $JOB_NAME: python -m recipe.main_$LAUNCH_ALGO ${JOB_ARGS[*]}"
-  JOB_ID=$JOB_NAME
-  run_waiting "${SUBMIT_CMD[@]}" > >(tee "$RUN_LOG/job.log") 2>&1 || true
-  local job_status
-  job_status=$("$PYTHON" -m recipe.cluster job-status --dashboard "$DASHBOARD_URL" --id "$JOB_NAME" 2>&1 | tail -n 1) || true
-  case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_ID="" ;; esac
-  log "job $JOB_NAME: $job_status; run directory: $RUN_DIR"
-  [[ $job_status == SUCCEEDED ]] || die 1 "job $JOB_NAME did not succeed ($job_status; log $RUN_LOG/job.log)"
+  local job job_status job_log
+  for job in $(jobs_to_submit); do
+    submit_cmd "$job"
+    job_log=$RUN_LOG/job${LAUNCH_VARIANTS:+-$job}.log
+    log "submitting job $SUBMIT_ID: ${SUBMIT_CMD[*]:10}"
+    JOB_ID=$SUBMIT_ID
+    run_waiting "${SUBMIT_CMD[@]}" > >(tee "$job_log") 2>&1 || true
+    job_status=$("$PYTHON" -m recipe.cluster job-status --dashboard "$DASHBOARD_URL" --id "$SUBMIT_ID" 2>&1 | tail -n 1) || true
+    case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_ID="" ;; esac
+    log "job $SUBMIT_ID: $job_status; run directory: ${LAUNCH_VARIANTS:+$COMPARE_DIR/$job}${LAUNCH_VARIANTS:-$RUN_DIR}"
+    [[ $job_status == SUCCEEDED ]] || die 1 "job $SUBMIT_ID did not succeed ($job_status; log $job_log)"
+  done
+  if [[ -n $LAUNCH_VARIANTS ]]; then
+    log "writing the comparison report: ${REPORT_CMD[*]}"
+    "${REPORT_CMD[@]}" || die 1 "the comparison report failed (its message is above)"
+  fi
 }
 
 run_worker() {

@@ -17,11 +17,12 @@ from megatron_bridge.plan.model_spec import load_hf_config
 TINY = "tiny_qwen3_moe"
 
 
-def tiny_hf_model(seed: int = 0, **overrides):
-    """transformers' Qwen3MoeForCausalLM with the tiny config (plus ``overrides``), fp32, eval."""
+def tiny_hf_model(seed: int = 0, config: str = TINY, **overrides):
+    """transformers' Qwen3MoeForCausalLM with a tiny config (``configs/model/<config>.yaml``, plus
+    ``overrides``), fp32, eval."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(**{**load_hf_config(TINY), **overrides})
+    config = Qwen3MoeConfig(**{**load_hf_config(config), **overrides})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).float().eval()
     with torch.no_grad():

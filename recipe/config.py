@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, policy_loss_modes
+from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, RolloutCorrectionConfig, policy_loss_modes
 from megatron_bridge.runtime.actor import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
@@ -129,6 +129,7 @@ class RolloutConfig:
     top_k: int = -1  # -1: off
     log_prob_micro_batch_size_per_gpu: int = 8
     update_weights_bucket_megabytes: int = 512
+    calculate_log_probs: bool = True  # compare the engine's log-probs with the old-log-prob pass (training/, rollout_corr/)
     enable_rollout_routing_replay: bool = False  # the engine reports each token's experts (R3, mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
@@ -151,6 +152,8 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     grpo_epsilon: float = 1e-6  # added to the group's std before dividing
+    # verl's decoupled rollout correction: IS weights pi_old / pi_rollout and rejection (loss.rollout_correction)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass(frozen=True)
@@ -478,7 +481,7 @@ def _construct(cls, data: Any, key: str, layout_keys: Mapping, layout_out: dict,
     values = _typed_fields(cls, data, key, layout_keys, layout_out, name)
     try:
         return cls(**values)
-    except ValueError as e:  # checks of classes owned elsewhere (OptimConfig)
+    except ValueError as e:  # checks of classes owned elsewhere (OptimConfig, RolloutCorrectionConfig)
         raise ConfigError(f"{name}: {key}: {e}") from e
 
 
@@ -495,14 +498,19 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str, name: str) -> Any:
-    args = typing.get_args(tp)
-    optional = isinstance(tp, types.UnionType) and type(None) in args
-    if optional:
-        tp = next(a for a in args if a is not type(None))
+    union = isinstance(tp, types.UnionType)
+    members = [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]
+    expected = " or ".join(_type_name(a) for a in members)
     if value is None:
-        if optional:
+        if union and type(None) in typing.get_args(tp):
             return None
-        raise ConfigError(f"{name}: {key}=null: expected {_type_name(tp)}; set a value or drop the key for the default")
+        raise ConfigError(f"{name}: {key}=null: expected {expected}; set a value or drop the key for the default")
+    tp = members[0]
+    if len(members) > 1:  # e.g. verl's thresholds: a number or a "lower_upper" string
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        tp = next((a for a in members if (number if a is float else isinstance(value, a))), None)
+        if tp is None:
+            raise ConfigError(f"{name}: {key}={value!r}: expected {expected}")
     if typing.get_origin(tp) is list:
         items = [value] if isinstance(value, str) else value  # a single file or logger name
         if not isinstance(items, list):
@@ -616,6 +624,14 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
     trainer, data = cfg.trainer, cfg.data
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         out.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint directory)")
+    model = cfg.actor_rollout_ref.model
+    if model.path == BUILTIN_TINY and model.config and not os.path.basename(model.config).startswith(TINY):
+        out.append(f"actor_rollout_ref.model.path={BUILTIN_TINY} builds a tiny model: "
+                   f"actor_rollout_ref.model.config must name a configs/model/{TINY}*.yaml shape, not {model.config!r}")
+    rc = cfg.algorithm.rollout_correction
+    if (rc.rollout_is is not None or rc.rollout_rs is not None) and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        out.append(f"algorithm.rollout_correction needs the rollout engine's log-probs: set "
+                   f"{_ROLLOUT}.calculate_log_probs=true (or rollout_is=null and rollout_rs=null)")
     if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3" and \
             not cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay:
         out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 replays the rollout engine's routing: set "

@@ -1,9 +1,10 @@
 """The comparison report: finished runs of several variants (e.g. GRPO vs GSPO, several seeds
 each) side by side, with an automatic flag for the reward collapse reported for GRPO on MoE.
 
-    python -m recipe.report RUN_DIR [RUN_DIR ...] --out REPORT_DIR [--window 5] [--drop 0.5] [--grad-factor 3.0]
+    python -m recipe.compare RUN_DIR [RUN_DIR ...] --out REPORT_DIR [--window 5] [--drop 0.5] [--spike-factor 3.0]
 
-``recipe.compare`` calls ``write_report(run_dirs, out_dir, Rule(...))`` after its runs.
+``recipe.compare`` calls ``write_report(run_dirs, out_dir, Rule(...))`` after its runs, or on
+finished run directories as above.
 
 What it reads, per run directory:
 
@@ -40,30 +41,29 @@ directory is refused):
 
 The instability rule (``instability_step``), per run, with w = ``window``: s(t) is the mean of
 ``critic/score/mean`` over the last w logged values up to step t (defined once w values are
-logged; non-finite scores are left out). A grad-norm *spike* is a step whose ``actor/grad_norm``
-exceeds ``grad_factor`` times the median of all earlier finite grad norms, or is non-finite; it
-needs at least w earlier finite values. The rule fires at the first step t where (a) the best s so
-far (max of s(t') over t' <= t) minus s(t) exceeds ``drop`` and (b) a spike lies in the last w
-steps: t - w < spike step <= t. Reward collapse together with a gradient spike is the signature
-reported for GRPO collapse on MoE (R3, arXiv 2510.11370; "When Speed Kills Stability", Liu, Li et
-al. 2025). As s averages w steps, the rule fires a step or more after the score falls: a fall from
-0.8 to -1 crosses a 0.5 drop on its second step with w = 5. A run lacking either metric is not
-checked ("–" in the table). The defaults (w 5, drop 0.5 = a quarter of DAPO's [-1, 1] score range,
-factor 3) are ``Rule()``'s.
-
-Exit status: 0 written, 2 unusable input (one line naming it and the fix).
+logged; non-finite scores are left out). A *spike* is a step whose ``actor/grad_norm`` or
+``actor/ppo_kl`` (the KL to the old policy over the update) exceeds ``spike_factor`` times the
+median of that metric's earlier finite values, or is non-finite; it needs at least w earlier
+finite values. The rule fires at the first step t where (a) the best s so far (max of s(t') over
+t' <= t) minus s(t) exceeds ``drop`` and (b) a spike lies in the last w steps: t - w < spike step
+<= t. Reward collapse together with a burst of the gradient or of the policy's step away from the
+old policy is the signature reported for GRPO collapse on MoE (gradient norm: R3, arXiv
+2510.11370, and "When Speed Kills Stability", Liu, Li et al. 2025; importance-ratio bursts before
+collapse: RSPO, arXiv 2510.23027); the tiny stability preset's GRPO collapses show the KL burst
+with a vanishing gradient (docs/stability.md). As s averages w steps, the rule fires a step or
+more after the score falls: a fall from 0.8 to -1 crosses a 0.5 drop on its second step with
+w = 5. A run lacking the score, or both spike metrics, is not checked ("–" in the table). The
+defaults (w 5, drop 0.5 = a quarter of DAPO's [-1, 1] score range, factor 3) are ``Rule()``'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -72,11 +72,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from recipe.loggers import METRICS_FILE, LoggerError, read_jsonl
+from recipe.loggers import METRICS_FILE, read_jsonl
 
 SCORE = "critic/score/mean"
 VAL_SCORE = "val/score/mean"
 GRAD_NORM = "actor/grad_norm"
+PPO_KL = "actor/ppo_kl"
+SPIKE_METRICS = (GRAD_NORM, PPO_KL)  # a burst of either, with the score falling, marks instability
 DRIFT = "moe/routing_drift/slot_frac"
 STEP_TIME = "timing_s/step"
 VARIANT_FILE = "variant.json"
@@ -97,26 +99,26 @@ class Rule:
 
     window: int = 5
     drop: float = 0.5
-    grad_factor: float = 3.0
+    spike_factor: float = 3.0
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ReportError(f"--window must be an integer >= 1 (steps), got {self.window!r}")
         if not self.drop > 0 or not math.isfinite(self.drop):
             raise ReportError(f"--drop must be a positive score difference, got {self.drop!r}")
-        if not self.grad_factor > 0 or not math.isfinite(self.grad_factor):
-            raise ReportError(f"--grad-factor must be a positive factor, got {self.grad_factor!r}")
+        if not self.spike_factor > 0 or not math.isfinite(self.spike_factor):
+            raise ReportError(f"--spike-factor must be a positive factor, got {self.spike_factor!r}")
 
     def describe(self) -> str:
         w = self.window
         return (
             f"With s(t) = mean of `{SCORE}` over the last {w} logged values up to step t (defined once "
             f"{w} values are logged), the rule fires at the first step t where (a) the best s so far minus "
-            f"s(t) exceeds {self.drop:g} and (b) one of the last {w} steps up to t is a grad-norm spike: "
-            f"`{GRAD_NORM}` above {self.grad_factor:g} x the median of all earlier finite grad norms (at "
-            f"least {w} needed), or non-finite. Non-finite scores are left out of s. Reward collapse "
-            "together with a gradient spike is the signature reported for GRPO collapse on MoE. \"–\": "
-            "the run lacks one of the two metrics."
+            f"s(t) exceeds {self.drop:g} and (b) one of the last {w} steps up to t is a spike: "
+            f"`{GRAD_NORM}` or `{PPO_KL}` above {self.spike_factor:g} x the median of that metric's earlier "
+            f"finite values (at least {w} needed), or non-finite. Non-finite scores are left out of s. Reward "
+            "collapse together with a burst of the gradient or of the step away from the old policy is the "
+            "signature reported for GRPO collapse on MoE. \"–\": the run lacks the score or both spike metrics."
         )
 
 
@@ -185,7 +187,7 @@ class RunSummary:
     seed: int | None
     steps: int
     unstable_step: int | None
-    rule_checked: bool  # False: the run lacks the score or the grad norm
+    rule_checked: bool  # False: the run lacks the score or both spike metrics
     stats: Stats
 
 
@@ -281,23 +283,24 @@ def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _spike_steps(grad_norm: Sequence[tuple[int, float]], rule: Rule) -> list[int]:
+def _spike_steps(series: Sequence[tuple[int, float]], rule: Rule) -> list[int]:
     spikes: list[int] = []
     earlier: list[float] = []
-    for step, value in grad_norm:
+    for step, value in series:
         if len(earlier) >= rule.window and (
-                not math.isfinite(value) or value > rule.grad_factor * statistics.median(earlier)):
+                not math.isfinite(value) or value > rule.spike_factor * statistics.median(earlier)):
             spikes.append(step)
         if math.isfinite(value):
             earlier.append(value)
     return spikes
 
 
-def instability_step(score: Sequence[tuple[int, float]], grad_norm: Sequence[tuple[int, float]],
+def instability_step(score: Sequence[tuple[int, float]], signals: Sequence[Sequence[tuple[int, float]]],
                      rule: Rule) -> int | None:
     """The first step where the instability rule (module docstring) fires, None where it does not.
-    ``score`` and ``grad_norm`` are (step, value) in step order; non-finite scores are left out."""
-    spikes = _spike_steps(grad_norm, rule)
+    ``score`` and each of ``signals`` (the spike metrics) are (step, value) in step order;
+    non-finite scores are left out."""
+    spikes = [step for series in signals for step in _spike_steps(series, rule)]
     score = [(step, value) for step, value in score if math.isfinite(value)]
     best = -math.inf
     for end in range(rule.window, len(score) + 1):
@@ -330,8 +333,8 @@ def summarize(groups: dict[str, list[Run]], rule: Rule) -> Summary:
     for name, runs in groups.items():
         summaries = [
             RunSummary(run.path, run.seed, run.steps,
-                       instability_step(run.series.get(SCORE, []), run.series.get(GRAD_NORM, []), rule),
-                       SCORE in run.series and GRAD_NORM in run.series, run_stats(run, rule.window))
+                       instability_step(run.series.get(SCORE, []), [run.series.get(m, []) for m in SPIKE_METRICS], rule),
+                       SCORE in run.series and any(m in run.series for m in SPIKE_METRICS), run_stats(run, rule.window))
             for run in runs
         ]
         means = {
@@ -529,7 +532,7 @@ def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
         *table, "",
         "## Instability rule", "",
         summary.rule.describe(), "",
-        f"Parameters: window {window} steps, drop {summary.rule.drop:g}, grad factor {summary.rule.grad_factor:g}.", "",
+        f"Parameters: window {window} steps, drop {summary.rule.drop:g}, spike factor {summary.rule.spike_factor:g}.", "",
         "## Config differences", "", *_config_differences(runs), "",
         "## Plots", "",
         "One line per variant: the mean over its seeds at each step, the min–max over seeds as a band; "
@@ -593,39 +596,3 @@ def write_report(run_dirs: Sequence[str], out_dir: str, rule: Rule = Rule()) -> 
         shutil.rmtree(staging, ignore_errors=True)
     return summary
 
-
-# ---- command line ----------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    defaults = Rule()
-    parser = argparse.ArgumentParser(prog="python -m recipe.report", description=__doc__.split("\n\n")[0],
-                                     epilog="The inputs, outputs and the rule: the docstring of recipe/report.py.")
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a finished run's directory (metrics.jsonl)")
-    parser.add_argument("--out", required=True, metavar="REPORT_DIR",
-                        help="the report directory (an existing report there is replaced)")
-    parser.add_argument("--window", type=int, default=defaults.window,
-                        help=f"steps of the score windows and the spike look-back (default {defaults.window})")
-    parser.add_argument("--drop", type=float, default=defaults.drop,
-                        help=f"smoothed-score drop from its best that flags a collapse (default {defaults.drop:g})")
-    parser.add_argument("--grad-factor", type=float, default=defaults.grad_factor,
-                        help=f"grad norm above this x the earlier median is a spike (default {defaults.grad_factor:g})")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        summary = write_report(args.run_dirs, args.out, Rule(args.window, args.drop, args.grad_factor))
-    except (ReportError, LoggerError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for variant in summary.variants:
-        fired = [f"{run.run_dir} at step {run.unstable_step}" for run in variant.runs if run.unstable_step is not None]
-        print(f"{variant.variant}: {len(variant.runs)} run(s), unstable: {', '.join(fired) or 'none'}")
-    print(f"report: {os.path.join(args.out, REPORT_FILE)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 
-from megatron_bridge.tiny_model import tiny_hf_model
+from megatron_bridge.tiny_model import TINY, tiny_hf_model
 from recipe.loggers import progress_bar
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -159,13 +159,13 @@ def write_parquet(rows: list[dict], path: str | os.PathLike) -> None:
 # -- warm-up -----------------------------------------------------------------------------------
 
 
-def build_model(seed: int) -> Qwen3MoeForCausalLM:
-    """The untrained tiny model with unit-variance weights (``megatron_bridge.tiny_model``); leaves
-    torch's global RNG as it was. From transformers' default init (std 0.02) the same warm-up
-    leaves RL lower and slower: GRPO's score mean over steps 36-40 was -0.34 instead of +0.84
-    (3 seeds)."""
+def build_model(seed: int, model: str = TINY) -> Qwen3MoeForCausalLM:
+    """The untrained tiny model (``configs/model/<model>.yaml``) with unit-variance weights
+    (``megatron_bridge.tiny_model``); leaves torch's global RNG as it was. From transformers'
+    default init (std 0.02) the same warm-up leaves RL lower and slower: GRPO's score mean over
+    steps 36-40 was -0.34 instead of +0.84 (3 seeds)."""
     with torch.random.fork_rng(devices=[]):
-        return tiny_hf_model(seed).train()
+        return tiny_hf_model(seed, model).train()
 
 
 @dataclass
@@ -285,11 +285,11 @@ def _is_complete(task: BuiltinTask) -> bool:
     )
 
 
-def _build(directory: str, seed: int, warmup_steps: int) -> float:
+def _build(directory: str, seed: int, warmup_steps: int, model_name: str) -> float:
     """Write the task into the empty ``directory``; returns the final warm-up loss."""
     paths = _task_paths(directory)
     tokenizer = build_tokenizer()
-    model = build_model(seed)
+    model = build_model(seed, model_name)
     loss = warm_up(model, tokenizer, steps=warmup_steps, seed=seed)
     model.eval().save_pretrained(paths.model_dir)
     tokenizer.save_pretrained(paths.model_dir)
@@ -298,15 +298,21 @@ def _build(directory: str, seed: int, warmup_steps: int) -> float:
     return loss
 
 
-def prepare_builtin(cache_dir: str | os.PathLike, seed: int = 0, *, warmup_steps: int = WARMUP_STEPS) -> BuiltinTask:
+def prepare_builtin(cache_dir: str | os.PathLike, seed: int = 0, *, warmup_steps: int = WARMUP_STEPS,
+                    model: str = TINY) -> BuiltinTask:
     """The warmed-up model, tokenizer and train/val parquet files under ``cache_dir``, built once.
 
     The build goes to a temporary directory renamed into place at the end, so a killed build never
-    leaves a half-written cache. ``warmup_steps`` other than the default (tests) gets its own entry.
+    leaves a half-written cache. ``warmup_steps`` other than the default (tests) and ``model``
+    other than the tiny one (a ``configs/model/tiny_*`` shape, e.g. more experts) get their own entries.
     """
     _check_int(seed, "prepare_builtin: seed", 0)
     _check_int(warmup_steps, "prepare_builtin: warmup_steps", 1)
-    name = f"{CACHE_VERSION}_seed{seed}" + ("" if warmup_steps == WARMUP_STEPS else f"_warmup{warmup_steps}")
+    if not model.startswith(TINY):
+        raise TinyTaskError(f"builtin:tiny builds tiny models only (configs/model/{TINY}*.yaml), not {model!r}; "
+                            "set actor_rollout_ref.model.config to one of them or model.path to a checkpoint")
+    name = (f"{CACHE_VERSION}_seed{seed}" + ("" if warmup_steps == WARMUP_STEPS else f"_warmup{warmup_steps}")
+            + ("" if model == TINY else f"_{model}"))
     directory = os.path.join(os.path.abspath(cache_dir), name)
     task = _task_paths(directory)
     if os.path.exists(directory):
@@ -319,7 +325,7 @@ def prepare_builtin(cache_dir: str | os.PathLike, seed: int = 0, *, warmup_steps
     temp = tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}.", suffix=".tmp")
     try:
         start = time.perf_counter()
-        loss = _build(temp, seed, warmup_steps)
+        loss = _build(temp, seed, warmup_steps, model)
         seconds = time.perf_counter() - start
     except BaseException:
         shutil.rmtree(temp)

@@ -14,19 +14,22 @@ import json
 import os
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from loss import rollout_correction, rollout_mismatch_metrics
+from megatron_bridge.moe.routing import ROUTED_EXPERTS
+from megatron_bridge.moe.table import RoutingRecord, merge_records
+from megatron_bridge.plan.model_spec import load_model_spec
+from megatron_bridge.tiny_model import TINY
 from recipe.advantage import grpo_advantages, token_advantages
 from recipe.config import BUILTIN_TINY, RecipeConfig, config_to_dict
 from recipe.data import BatchSampler, PromptDataset, PromptSample, val_batches
 from recipe.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
-from megatron_bridge.moe.routing import ROUTED_EXPERTS
-from megatron_bridge.moe.table import RoutingRecord, merge_records
-from megatron_bridge.plan.model_spec import load_model_spec
 from recipe.metrics import Timer, data_metrics, mean_metrics, throughput_metrics
 from recipe.reward import OverlongConfig, RewardInput, compute_rewards, make_reward_fn
 from recipe.rollout.base import SamplingParams, request_seed
@@ -34,6 +37,7 @@ from recipe.routing import replay_source, rollout_routing, routing_metrics, toke
 from recipe.worker_group import WorkerGroup, init_ray
 
 CHECKPOINT_PREFIX = "global_step_"
+PROVENANCE_FILE = "provenance.json"
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -44,6 +48,7 @@ class Rollout:
     samples: list[PromptSample]  # per row
     groups: torch.Tensor  # [N] prompt index within the step
     response_ids: list[list[int]]
+    log_probs: list[list[float]]  # the engine's, per response token
     finish_reasons: list[str]
     routed_experts: list[torch.Tensor] | None = None  # per row, when the engine reports routing
 
@@ -58,7 +63,8 @@ def resolve_builtin(cfg: RecipeConfig) -> tuple[str, list[str], list[str]]:
     if BUILTIN_TINY in (model, *train, *val):
         from recipe.tiny_task import prepare_builtin
 
-        task = prepare_builtin(cache_dir(), seed=0)
+        shape = (cfg.actor_rollout_ref.model.config or TINY) if model == BUILTIN_TINY else TINY
+        task = prepare_builtin(cache_dir(), seed=0, model=shape)
         model = task.model_dir if model == BUILTIN_TINY else model
         train = [task.train_file if f == BUILTIN_TINY else f for f in train]
         val = [task.val_file if f == BUILTIN_TINY else f for f in val]
@@ -115,6 +121,7 @@ class Trainer:
         spans = [f"node {ip} rank {r[0]}" if len(r) == 1 else f"node {ip} ranks {r[0]}-{r[-1]}" for ip, r in nodes.items()]
         tqdm.write("workers: " + "; ".join(spans))
         self.rollout_dp = self.cfg.layout.rollout.dp
+        self._record_provenance()
         checkpoint = self._checkpoint_to_resume()
         if checkpoint is not None:
             state = json.loads((checkpoint / TRAINER_STATE).read_text())
@@ -129,6 +136,18 @@ class Trainer:
                                  self.cfg.trainer.experiment_name, config_to_dict(self.cfg), resume=self.step > 0)
         if self.step:
             self.tracking.drop_from(self.step + 1)  # what a killed run logged past its checkpoint
+
+    def _record_provenance(self) -> None:
+        """What a comparison needs to show that runs started alike: the initial weights'
+        fingerprint per rank (the checkpoint as loaded, before any resume) and the seeds. Kept
+        from the run's first start."""
+        path = self.dir / PROVENANCE_FILE
+        if path.is_file():
+            return
+        fingerprints = self.workers.call("weights_fingerprint", phase="weights fingerprint")
+        t = self.cfg.trainer
+        path.write_text(json.dumps({"model_dir": self.model_dir, "initial_weights_fingerprint": fingerprints,
+                                    "trainer_seed": t.seed, "data_seed": self.cfg.data.seed}, indent=2))
 
     def _checkpoint_to_resume(self) -> Path | None:
         t = self.cfg.trainer
@@ -187,6 +206,9 @@ class Trainer:
             with timer("old_log_prob"):
                 batch["old_log_probs"], old = self.log_probs(batch, "actor")
             batch.pop(ROUTED_EXPERTS, None)
+            valid = token_mask(batch)  # before rejection sampling takes tokens out of the loss
+            response_lengths = batch["response_mask"].sum(1)
+            mismatch = self.correct_for_rollout(batch, rollout)
             if cfg.actor_rollout_ref.actor.use_kl_loss:
                 with timer("ref"):
                     batch["ref_log_probs"], _ = self.log_probs(batch, "ref")
@@ -201,7 +223,7 @@ class Trainer:
             with timer("reshard"):
                 sync = self.workers.call("sync_weights", phase="weight sync")[0]
         metrics = data_metrics(
-            scores, advantages, batch["response_mask"].sum(1), batch["prompt_lengths"],
+            scores, advantages, response_lengths, batch["prompt_lengths"],
             cfg.data.max_response_length, acc=torch.tensor(rewards.acc, dtype=torch.float32),
         )
         metrics.update(update)
@@ -209,16 +231,18 @@ class Trainer:
             tqdm.write(f"step {step}: non-finite loss or grad norm ({update.get('actor/grad_norm')}): "
                        "optimizer step skipped, weights unchanged")
         metrics.update({k: v for k, v in sync.items() if k.startswith("reshard/")})
-        valid = token_mask(batch)
+        metrics.update(mismatch)
         metrics.update(routing_metrics(old, valid, self.spec.num_experts, engine_routing, drift, replayed))
         metrics.update(timer.timings)
-        tokens = int(batch["prompt_lengths"].sum() + batch["response_mask"].sum())
+        tokens = int(batch["prompt_lengths"].sum() + response_lengths.sum())
         metrics.update(throughput_metrics(tokens, timer.timings["timing_s/step"], self.workers.world_size))
         # the busiest worker's peak
         for memory in self.workers.call("memory"):
             for key, value in memory.items():
                 metrics[key] = max(metrics.get(key, 0.0), value)
         metrics["training/epoch"] = float(self.sampler.epoch)
+        # the step's prompts, in order: runs that saw the same prompts log the same number
+        metrics["data/prompt_hash"] = float(zlib.crc32(torch.tensor([t for s in prompts for t in s.prompt_ids]).numpy()))
         return metrics
 
     # --- phases ------------------------------------------------------------------------------
@@ -245,14 +269,15 @@ class Trainer:
             lo, hi = shares[info.rollout_dp_rank]
             args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(lo, hi)), params))
         outputs = self.workers.call("generate", args, "generation")
-        response_ids, finish, routed = [], [], []
+        response_ids, log_probs, finish, routed = [], [], [], []
         for info, out in zip(self.infos, outputs):
             if info.first_of_rollout_group:
                 response_ids += out.token_ids
+                log_probs += out.log_probs
                 finish += out.finish_reasons
                 routed += out.routed_experts or []
         groups = torch.arange(len(prompts)).repeat_interleave(n)
-        return Rollout(rows, groups, response_ids, finish, routed if len(routed) == len(rows) else None)
+        return Rollout(rows, groups, response_ids, log_probs, finish, routed if len(routed) == len(rows) else None)
 
     def rewards(self, rollout: Rollout):
         inputs = [
@@ -279,6 +304,26 @@ class Trainer:
             "response_mask": response_mask,
             "advantages": token_advantages(advantages, response_mask),
         }
+
+    def correct_for_rollout(self, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
+        """With ``rollout.calculate_log_probs``: the train-rollout gap of the sampled tokens'
+        log-probs (``training/``, ``rollout_corr/``) and, with ``algorithm.rollout_correction``,
+        the correction: IS weights into the batch for the loss, rejected tokens out of its mask
+        (so the update's global token and sequence counts leave them out too)."""
+        if not self.cfg.actor_rollout_ref.rollout.calculate_log_probs:
+            return {}
+        mask = batch["response_mask"]
+        engine = torch.zeros_like(batch["old_log_probs"])
+        for row, values in enumerate(rollout.log_probs):
+            engine[row, : len(values)] = torch.tensor(values, dtype=engine.dtype)
+        metrics = rollout_mismatch_metrics(batch["old_log_probs"], engine, mask)
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.rollout_is is not None or rc.rollout_rs is not None:
+            weights, batch["response_mask"], corrected = rollout_correction(batch["old_log_probs"], engine, mask, rc)
+            if weights is not None:
+                batch["rollout_is_weights"] = weights.float()
+            metrics.update(corrected)
+        return metrics
 
     def dp_rows(self, rows: int, mini_batch_rows: int) -> list[torch.Tensor]:
         """Row indices of each DP rank: within every global mini-batch, rank d takes the d-th

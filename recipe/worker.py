@@ -196,6 +196,12 @@ class Worker:
                                       partial(policy_loss_func, self.loss_config))
         return steps, out.record
 
+    def weights_fingerprint(self) -> tuple[float, float]:
+        """Sum and sum of squares (float64) of this rank's actor parameters: equal between runs
+        that start from the same weights in the same layout."""
+        params = [p.detach().double() for chunk in self.actor.chunks for p in chunk.parameters()]
+        return float(sum(p.sum() for p in params)), float(sum(p.square().sum() for p in params))
+
     def memory(self) -> dict[str, float]:
         from recipe.metrics import memory_metrics
 

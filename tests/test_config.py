@@ -235,6 +235,26 @@ def test_router_replay_keys_have_verl_spellings():
     assert "trainer.routing_drift_freq=0: must be -1 (never) or >= 1" in error(TINY, ["trainer.routing_drift_freq=0"])
 
 
+def test_builtin_tiny_builds_only_tiny_shapes():
+    cfg = load_config(TINY, ["actor_rollout_ref.model.config=tiny_qwen3_moe_32e"])
+    assert cfg.actor_rollout_ref.model.config == "tiny_qwen3_moe_32e"
+    message = error(TINY, ["actor_rollout_ref.model.config=qwen3_30b_a3b"])
+    assert "builds a tiny model" in message and "tiny_qwen3_moe" in message
+
+
+def test_rollout_correction_keys_are_verls():
+    cfg = load_config(TINY, ["algorithm.rollout_correction.rollout_is=sequence",
+                             "algorithm.rollout_correction.rollout_is_threshold=0.5_2.0",
+                             "algorithm.rollout_correction.rollout_rs=token_k3",
+                             "algorithm.rollout_correction.rollout_rs_threshold=0.1"])
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold) == ("sequence", "0.5_2.0", "token_k3", 0.1)
+    assert "expected a number or a string" in error(TINY, ["algorithm.rollout_correction.rollout_is_threshold=[1]"])
+    assert "bypass_mode=True" in error(TINY, ["algorithm.rollout_correction.bypass_mode=true"])
+    message = error(TINY, ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"])
+    assert "calculate_log_probs=true" in message
+
+
 def test_resume_path_needs_a_path():
     assert "trainer.resume_from_path" in error(TINY, ["trainer.resume_mode=resume_path"])
     cfg = load_config(TINY, ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/step_10"])
@@ -306,8 +326,8 @@ def test_every_shipped_recipe_loads_and_round_trips(name, tmp_path):
     assert load_config(str(dump)) == cfg
 
 
-def test_shipped_recipes_are_the_four_twins():
-    assert sorted(shipped("recipe")) == sorted(n for pair in TWINS for n in pair)
+def test_shipped_recipes_are_the_four_twins_and_the_stability_preset():
+    assert sorted(shipped("recipe")) == sorted([n for pair in TWINS for n in pair] + ["tiny_stability"])
     assert sorted(shipped("algo")) == ["grpo", "gspo"]
 
 

@@ -147,6 +147,24 @@ def test_parallel_swap_takes_the_layouts_cluster_and_user_buffsize(tmp_path):
     assert "below the" in out.stdout and "DDR address out of range" in out.stdout
 
 
+def test_compare_launcher_submits_one_job_per_variant_then_the_report(tmp_path):
+    ip = local_address() or pytest.skip("no non-loopback address on this machine")
+    before = ray_daemons()
+    out = launch("launch/qwen3_30b_a3b_compare.sh", tmp_path, ["--dry-run", "trainer.total_training_steps=5"],
+                 timeout=120, MASTER_ADDR=ip, VARIANTS="grpo,grpo_r2,gspo", SEEDS="1,2",
+                 COMPARE_DIR=str(tmp_path / "cmp"))
+    assert out.returncode == 0, out.stderr
+    jobs = [line for line in out.stdout.splitlines() if "ray job submit" in line]
+    assert len(jobs) == 3
+    for job, variant in zip(jobs, ("grpo", "grpo_r2", "gspo")):
+        assert f"-{variant} " in job and f"recipe.compare --config" in job and f"--variants {variant} --seeds 1,2" in job
+        assert f"--out {tmp_path / 'cmp'}" in job and "trainer.total_training_steps=5" in job
+    report = [line for line in out.stdout.splitlines() if "recipe.compare" in line and "ray job submit" not in line]
+    assert len(report) == 1 and "--variants grpo,grpo_r2,gspo --seeds 1,2" in report[0]
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "cmp").exists()
+    assert_no_new_ray(before, grace_s=0)
+
+
 def test_invalid_parallel_fails_before_ray_starts(tmp_path):
     layout = yaml.safe_load((REPO / "configs/parallel/qwen3_30b_a3b_2x16_a3.yaml").read_text())
     layout["actor_rollout_ref"]["actor"]["megatron"]["tensor_model_parallel_size"] = 8

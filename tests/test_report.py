@@ -130,7 +130,7 @@ def test_summary_json_numbers_equal_the_metrics_files(runs, written):
     _, dirs, records = runs
     _, summary, data = written
     assert [v["variant"] for v in data["variants"]] == ["grpo", "gspo", "grpo_r2"]
-    assert data["rule"] == {"window": 5, "drop": 0.5, "grad_factor": 3.0}
+    assert data["rule"] == {"window": 5, "drop": 0.5, "spike_factor": 3.0}
     for variant in data["variants"]:
         expected = _expected(records[variant["variant"]])
         for name, value in expected.items():
@@ -176,7 +176,7 @@ def test_report_md_table_equals_the_metrics_files(runs, written):
                 assert float(row[header]) == pytest.approx(expected[name], **tolerance), (row["variant"], header)
     assert [(row["runs"], row["steps"]) for row in rows] == [("2", "30"), ("1", "30"), ("1", "25")]
     assert [row["unstable"] for row in rows] == [f"seed 0: step {COLLAPSE_STEP}, seed 1: no", "no", "no"]
-    assert "window 5 steps, drop 0.5, grad factor 3" in text
+    assert "window 5 steps, drop 0.5, spike factor 3" in text
     assert "`actor.loss_mode`" in text and "`seed`" in text and "`actor.clip`" in text  # config differences
 
 
@@ -225,7 +225,19 @@ def test_rule_fires_at_the_planted_step():
 
 
 def _as_series(scores, grads):
-    return list(enumerate(scores, start=1)), list(enumerate(grads, start=1))
+    """(score series, [the spike metrics' series]): the grad norm alone."""
+    return list(enumerate(scores, start=1)), [list(enumerate(grads, start=1))]
+
+
+def test_a_kl_burst_with_the_collapse_fires_when_the_gradient_vanishes():
+    """The tiny preset's GRPO collapse: ppo_kl jumps, the gradient goes to ~0 (all rewards -1)."""
+    scores, _ = _collapsing()
+    vanishing = [1.0 if s < COLLAPSE_STEP else 0.002 for s in range(1, len(scores) + 1)]
+    kl = [0.05] * len(scores)
+    kl[COLLAPSE_STEP - 2] = 0.9
+    series = list(enumerate(scores, start=1))
+    assert instability_step(series, [list(enumerate(vanishing, 1)), list(enumerate(kl, 1))], Rule()) == COLLAPSE_STEP
+    assert instability_step(series, [list(enumerate(vanishing, 1))], Rule()) is None
 
 
 def test_rule_does_not_fire_on_noise_or_a_spike_alone():
@@ -243,9 +255,9 @@ def test_rule_edge_cases():
     # With window 2, s(3) = -0.1, 0.9 below the best 0.8; a spike at step 3 after 2 earlier values fires.
     assert instability_step(*_as_series(scores, [1, 1, 100, 1, 1]), Rule(window=2)) == 3
     # No score or no grad norm: nothing to fire on.
-    assert instability_step([], list(enumerate([1.0] * 10)), Rule()) is None
+    assert instability_step([], [list(enumerate([1.0] * 10))], Rule()) is None
     assert instability_step(list(enumerate(scores)), [], Rule()) is None
-    for bad in ({"window": 0}, {"drop": 0}, {"grad_factor": -1.0}, {"window": 2.5}):
+    for bad in ({"window": 0}, {"drop": 0}, {"spike_factor": -1.0}, {"window": 2.5}):
         with pytest.raises(ReportError, match="--"):
             Rule(**bad)
 
@@ -272,20 +284,21 @@ def _tiny_run(path, variant="tiny", seed=0):
     return _write_run(path, [{"step": step, SCORE: 0.1 * step} for step in range(1, 4)], variant, seed)
 
 
-def test_cli_exit_codes(tmp_path, capsys):
+def test_report_only_command_exit_codes(tmp_path, capsys):
+    """``python -m recipe.compare RUN_DIR ... --out DIR``: the report of finished runs."""
+    from recipe import compare
+
     run = _tiny_run(tmp_path / "run")
-    assert report.main([run, "--out", str(tmp_path / "report")]) == 0
+    assert compare.main([run, "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "report.md").is_file()
     capsys.readouterr()
-    assert report.main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "other")]) == 2
+    assert compare.main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "other")]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and str(tmp_path / "nowhere") in error
-    assert report.main([run, "--out", str(tmp_path / "other"), "--window", "0"]) == 2
+    assert compare.main([run, "--out", str(tmp_path / "other"), "--window", "0"]) == 2
     assert "--window" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:
-        report.main([run])  # no --out
-    assert exit_info.value.code == 2
-    done = subprocess.run([sys.executable, "-m", "recipe.report", run, "--out", str(tmp_path / "cli")],
+    assert compare.main([run]) == 2 and "--out REPORT_DIR" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "recipe.compare", run, "--out", str(tmp_path / "cli")],
                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(report.__file__)))
     assert done.returncode == 0 and "report:" in done.stdout and (tmp_path / "cli" / "summary.json").is_file()
 

@@ -177,6 +177,16 @@ def test_prepare_builtin_builds_once_and_the_engine_loads_it(tmp_path, capsys):
     assert 1 <= len(generation.token_ids[0]) <= 12
 
 
+def test_prepare_builtin_builds_other_tiny_shapes_apart(tmp_path):
+    task = tiny_task.prepare_builtin(tmp_path, seed=0, warmup_steps=1, model="tiny_qwen3_moe_32e")
+    assert task.model_dir.endswith(f"{tiny_task.CACHE_VERSION}_seed0_warmup1_tiny_qwen3_moe_32e/model")
+    with HFCheckpoint(task.model_dir) as checkpoint:
+        assert checkpoint.shape("model.layers.0.mlp.experts.31.down_proj.weight") == (64, 8)
+        assert checkpoint.shape("model.layers.0.mlp.gate.weight") == (32, 64)
+    with pytest.raises(tiny_task.TinyTaskError, match="tiny models only .* not 'qwen3_30b_a3b'"):
+        tiny_task.prepare_builtin(tmp_path, seed=0, model="qwen3_30b_a3b")
+
+
 def test_prepare_builtin_refuses_an_incomplete_cache(tmp_path):
     (tmp_path / f"{tiny_task.CACHE_VERSION}_seed0_warmup1").mkdir()
     with pytest.raises(tiny_task.TinyTaskError, match="incomplete .* delete it and run again"):

@@ -1,0 +1,185 @@
+"""Compare GRPO, GRPO with routing replay and GSPO on the same prompts, seeds and initial weights.
+
+    python -m recipe.compare --config configs/recipe/tiny_stability.yaml --variants grpo,grpo_r2,gspo \\
+        [--seeds 1,2,3] [--out runs/compare/NAME] [key.sub=value ...]
+    python -m recipe.compare RUN_DIR [RUN_DIR ...] --out REPORT_DIR      # report on finished runs
+
+A variant is an algorithm (``grpo``, ``gspo``: ``configs/algo``) and optional parts joined by
+``_``: ``r2`` / ``r3`` (routing replay), ``tis`` (token-level truncated IS rollout correction),
+e.g. ``grpo_r2``, ``gspo_r3``, ``grpo_tis``. Every variant of one seed runs with that seed as
+``trainer.seed`` (sampling) and ``data.seed`` (prompt order), from the recipe's checkpoint, so the
+first step of every variant sees the same prompts and samples the same responses; each run logs
+``data/prompt_hash`` per step and writes ``provenance.json`` (initial weights) to show it.
+
+Runs go one after another into ``OUT/<variant>/seed_<s>`` with ``variant.json``; a finished run
+(its last step logged) is not run again and an interrupted one resumes from its last checkpoint,
+so re-running the same command completes a comparison. Then ``OUT/report`` is written
+(``recipe.report``: report.md, plots, summary.json). Overrides apply to every variant; the
+variant's own keys come last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from megatron_bridge.errors import ConfigError
+
+ALGOS = ("grpo", "gspo")
+VARIANT_PARTS: dict[str, tuple[str, ...]] = {
+    "r2": ("actor_rollout_ref.actor.megatron.router_replay.mode=R2",),
+    "r3": ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
+    "tis": ("algorithm.rollout_correction.rollout_is=token",),
+}
+DEFAULT_VARIANTS = "grpo,grpo_r2,gspo"
+VARIANT_FILE = "variant.json"
+REPORT_DIR = "report"
+
+
+@dataclass(frozen=True)
+class Run:
+    variant: str
+    seed: int
+    directory: str
+    overrides: tuple[str, ...]  # the user's, then the variant's
+
+
+def variant_overrides(name: str) -> tuple[str, ...]:
+    """The recipe overrides that make variant ``name``."""
+    algo, *parts = name.split("_")
+    if algo not in ALGOS:
+        raise ConfigError(f"variant {name!r}: starts with {algo!r}, expected an algorithm: {', '.join(ALGOS)}")
+    unknown = [p for p in parts if p not in VARIANT_PARTS]
+    if unknown or len(set(parts)) < len(parts) or {"r2", "r3"} <= set(parts):
+        raise ConfigError(f"variant {name!r}: parts after the algorithm must be distinct ones of "
+                          f"{', '.join(VARIANT_PARTS)} (at most one of r2, r3), e.g. grpo_r2")
+    return (f"algo={algo}",) + tuple(o for p in parts for o in VARIANT_PARTS[p])
+
+
+def plan_runs(out: str, variants: list[str], seeds: list[int], overrides: list[str]) -> list[Run]:
+    runs = []
+    for seed in seeds:
+        for variant in variants:
+            directory = os.path.join(out, variant, f"seed_{seed}")
+            own = (f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.default_local_dir={directory}",
+                   f"trainer.experiment_name={variant}_seed{seed}", "trainer.resume_mode=auto")
+            runs.append(Run(variant, seed, directory, tuple(overrides) + own + variant_overrides(variant)))
+    return runs
+
+
+def finished(run: Run, total_steps: int) -> bool:
+    """The run logged its last step. A run dir made with other settings is refused."""
+    from recipe.loggers import METRICS_FILE, read_jsonl
+
+    marker = os.path.join(run.directory, VARIANT_FILE)
+    if not os.path.isfile(marker):
+        return False
+    with open(marker) as f:
+        recorded = json.load(f)
+    if recorded.get("overrides") != list(run.overrides):
+        raise ConfigError(
+            f"{run.directory} holds a run with other settings ({VARIANT_FILE}: {recorded.get('overrides')}); "
+            "pass another --out or delete that directory"
+        )
+    metrics = os.path.join(run.directory, METRICS_FILE)
+    steps = [m["step"] for m in read_jsonl(metrics)] if os.path.isfile(metrics) else []
+    return bool(steps) and max(steps) >= total_steps
+
+
+def run_comparison(config: str, variants: list[str], seeds: list[int], out: str, overrides: list[str]) -> list[Run]:
+    """Check every run's config first, then train the runs that are not finished."""
+    from recipe.config import load_config
+    from recipe.trainer import train
+
+    runs = plan_runs(out, variants, seeds, overrides)
+    configs = [load_config(config, list(run.overrides)) for run in runs]  # every error before anything runs
+    todo = [(run, cfg) for run, cfg in zip(runs, configs) if not finished(run, cfg.trainer.total_training_steps)]
+    for run in runs:
+        state = "to run" if any(run is r for r, _ in todo) else "finished"
+        print(f"{run.variant} seed {run.seed}: {run.directory} ({state})")
+    for i, (run, cfg) in enumerate(todo, 1):
+        print(f"== [{i}/{len(todo)}] {run.variant}, seed {run.seed} ==", flush=True)
+        os.makedirs(run.directory, exist_ok=True)
+        with open(os.path.join(run.directory, VARIANT_FILE), "w") as f:
+            json.dump({"variant": run.variant, "seed": run.seed, "config": config, "overrides": list(run.overrides)}, f,
+                      indent=2)
+        train(cfg)
+    return runs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m recipe.compare",
+        description="Run GRPO / GSPO variants on the same prompts, seeds and weights, then write the comparison "
+        "report; or, given finished run directories, only the report.",
+        epilog=f"variants: an algorithm ({', '.join(ALGOS)}) and parts {', '.join(VARIANT_PARTS)} joined by _, "
+        "e.g. grpo,grpo_r2,gspo. Exit status: 0 done, 1 a run failed, 2 bad input.",
+    )
+    p.add_argument("--config", help="recipe YAML or shipped name: run the variants (else: report on RUN_DIRs)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variants (default: %(default)s)")
+    p.add_argument("--seeds", default="1", help="comma-separated seeds; each runs every variant (default: %(default)s)")
+    p.add_argument("--out", help="output directory (runs and report/; with RUN_DIRs: the report directory). "
+                   "Default with --config: runs/compare/<recipe name>")
+    p.add_argument("--window", type=int, default=5, help="report: steps in the first/last window and the smoothing")
+    p.add_argument("--drop", type=float, default=0.5, help="report: score drop from its best that the instability rule needs")
+    p.add_argument("--spike-factor", type=float, default=3.0,
+                   help="report: grad norm or ppo_kl above this x its earlier median is a spike (instability rule)")
+    p.add_argument("args", nargs="*", metavar="key.sub=value | RUN_DIR",
+                   help="with --config: recipe overrides for every variant; without: finished run directories")
+    return p.parse_args(argv)
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: expected comma-separated whole numbers, e.g. 1,2,3") from None
+    if not seeds or len(set(seeds)) < len(seeds) or min(seeds) < 0:
+        raise ConfigError(f"--seeds {text!r}: expected distinct whole numbers >= 0, e.g. 1,2,3")
+    return seeds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from recipe.data import DataError
+    from recipe.loggers import LoggerError
+    from recipe.report import ReportError, Rule, write_report
+    from recipe.reward import RewardError
+    from recipe.worker_group import ClusterError, WorkerDiedError
+
+    user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, FileNotFoundError,
+                   ReportError)
+    try:
+        rule = Rule(window=args.window, drop=args.drop, spike_factor=args.spike_factor)
+        if args.config is None:
+            if not args.args or args.out is None:
+                raise ConfigError("give --config to run variants, or finished RUN_DIRs and --out REPORT_DIR for a report")
+            summary = write_report(args.args, args.out, rule)
+        else:
+            variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+            if not variants or len(set(variants)) < len(variants):
+                raise ConfigError(f"--variants {args.variants!r}: expected distinct variant names, e.g. {DEFAULT_VARIANTS}")
+            bad = [a for a in args.args if "=" not in a]
+            if bad:
+                raise ConfigError(f"{bad[0]!r}: with --config every argument is a key.sub=value override")
+            name = os.path.basename(args.config).removesuffix(".yaml")
+            out = args.out or os.path.join("runs", "compare", name)
+            runs = run_comparison(args.config, variants, _seeds(args.seeds), out, args.args)
+            summary = write_report([r.directory for r in runs], os.path.join(out, REPORT_DIR), rule)
+            args.out = os.path.join(out, REPORT_DIR)
+    except user_errors as e:
+        notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
+        print(f"error: {e}{notes}", file=sys.stderr)
+        return 2 if isinstance(e, (ConfigError, ReportError)) else 1
+    unstable = [f"{v.variant} seed {r.seed}: step {r.unstable_step}" for v in summary.variants for r in v.runs
+                if r.unstable_step is not None]
+    print(f"report: {os.path.join(args.out, 'report.md')}" + (f"; unstable: {', '.join(unstable)}" if unstable else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

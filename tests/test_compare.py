@@ -1,0 +1,98 @@
+"""``python -m recipe.compare``: variants, run directories, resuming, and a short tiny comparison end
+to end (same prompts, same initial weights, a report)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge.errors import ConfigError
+from recipe.compare import VARIANT_FILE, finished, plan_runs, variant_overrides
+from recipe.loggers import read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_variant_names_make_overrides():
+    assert variant_overrides("gspo") == ("algo=gspo",)
+    assert variant_overrides("grpo_r2") == ("algo=grpo", "actor_rollout_ref.actor.megatron.router_replay.mode=R2")
+    assert variant_overrides("grpo_r3_tis") == (
+        "algo=grpo", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "algorithm.rollout_correction.rollout_is=token")
+    for bad, says in (("ppo", "expected an algorithm"), ("grpo_r4", "parts after the algorithm"),
+                      ("grpo_r2_r3", "at most one of r2, r3"), ("grpo_r2_r2", "distinct")):
+        with pytest.raises(ConfigError, match=says):
+            variant_overrides(bad)
+
+
+def test_runs_share_seeds_and_keep_the_variant_last(tmp_path):
+    runs = plan_runs(str(tmp_path), ["grpo", "gspo_r2"], [1, 2], ["trainer.total_training_steps=3", "algo=gspo"])
+    assert [(r.variant, r.seed) for r in runs] == [("grpo", 1), ("gspo_r2", 1), ("grpo", 2), ("gspo_r2", 2)]
+    first = runs[0]
+    assert first.directory == str(tmp_path / "grpo" / "seed_1")
+    assert "trainer.seed=1" in first.overrides and "data.seed=1" in first.overrides
+    # the user's overrides first, the variant's last (a user's algo= cannot change a variant)
+    assert first.overrides[0] == "trainer.total_training_steps=3" and first.overrides[-1] == "algo=grpo"
+
+
+def test_a_run_is_finished_when_its_last_step_is_logged(tmp_path):
+    (run,) = plan_runs(str(tmp_path), ["grpo"], [1], [])
+    assert not finished(run, 3)
+    Path(run.directory).mkdir(parents=True)
+    (Path(run.directory) / VARIANT_FILE).write_text(json.dumps({"overrides": list(run.overrides)}))
+    metrics = Path(run.directory) / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "critic/score/mean": 0.0}) + "\n" for s in (0, 1, 2)))
+    assert not finished(run, 3)
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 3, "critic/score/mean": 0.0}) + "\n")
+    assert finished(run, 3)
+    # the same directory asked to hold other settings: refused, nothing overwritten
+    (other,) = plan_runs(str(tmp_path), ["grpo"], [1], ["actor_rollout_ref.actor.optim.lr=1e-4"])
+    with pytest.raises(ConfigError, match="holds a run with other settings"):
+        finished(other, 3)
+
+
+def _compare(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipe.compare", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_inputs_are_named_without_a_traceback(tmp_path):
+    out = _compare("--config", "configs/recipe/tiny_grpo.yaml", "--variants", "grpo,sgd", "--out", str(tmp_path))
+    assert out.returncode == 2 and "variant 'sgd'" in out.stderr and "Traceback" not in out.stderr
+    out = _compare("--config", "configs/recipe/tiny_grpo.yaml", "data.train_batch_size=7", "--out", str(tmp_path))
+    assert out.returncode == 2 and "train_batch_size" in out.stderr and not any(tmp_path.iterdir())
+    out = _compare(str(tmp_path / "missing"), "--out", str(tmp_path / "report"))
+    assert out.returncode == 2 and "missing" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_short_tiny_comparison_runs_end_to_end(tmp_path):
+    """Two variants on the tiny recipe: the same prompts in the same order and the same initial
+    weights (from their logs), then the report; run again, nothing is re-run."""
+    args = ["--config", "configs/recipe/tiny_grpo.yaml", "--variants", "grpo,gspo_r2", "--out", str(tmp_path),
+            "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "trainer.val_before_train=false"]
+    out = _compare(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [tmp_path / v / "seed_1" for v in ("grpo", "gspo_r2")]
+    prompts = [[m["data/prompt_hash"] for m in read_jsonl(str(r / "metrics.jsonl"))] for r in runs]
+    assert len(prompts[0]) == 3 and prompts[0] == prompts[1] and len(set(prompts[0])) == 3
+    provenance = [json.loads((r / "provenance.json").read_text()) for r in runs]
+    assert provenance[0]["initial_weights_fingerprint"] == provenance[1]["initial_weights_fingerprint"]
+    # the first step runs the same weights on the same prompts with the same sampling seeds
+    first = [read_jsonl(str(r / "metrics.jsonl"))[0] for r in runs]
+    assert first[0]["critic/score/mean"] == first[1]["critic/score/mean"]
+    assert first[0]["response_length/mean"] == first[1]["response_length/mean"]
+    # replay is on in one variant only
+    assert "moe/replay_override/slot_frac" in read_jsonl(str(runs[1] / "metrics.jsonl"))[-1]
+    assert "moe/replay_override/slot_frac" not in read_jsonl(str(runs[0] / "metrics.jsonl"))[-1]
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert [v["variant"] for v in summary["variants"]] == ["grpo", "gspo_r2"]
+    assert (tmp_path / "report" / "report.md").is_file() and summary["plots"]["score.png"] == ["grpo", "gspo_r2"]
+    again = _compare(*args, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("(finished)") == 2 and "== [" not in again.stdout
