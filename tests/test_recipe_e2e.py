@@ -17,8 +17,9 @@ from recipe.loggers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"gspo": "configs/recipe/tiny_gspo.yaml", "grpo": "configs/recipe/tiny_grpo.yaml"}
-# metrics that measure the machine, not the computation
-VOLATILE = ("timing_s/", "perf/", "reshard/export_s")
+# metrics that measure the machine, not the computation; on the CPU the train-rollout gap is fp32
+# rounding between two kernels (1e-7..1e-6), which changes with the threads each rank gets
+VOLATILE = ("timing_s/", "perf/", "reshard/export_s", "training/rollout_", "rollout_corr/")
 
 
 def run_main(args: list[str], timeout: int = 900, **popen) -> subprocess.CompletedProcess:
@@ -112,7 +113,16 @@ def test_tiny_recipe_raises_the_score(tmp_path, algo):
     # engine (fp32, the actor's weights) routes exactly as the trainer's old-log-prob pass
     drift = [history[k]["moe/routing_drift/slot_frac"] for k in steps]
     assert all(0 <= d < 0.5 for d in drift) and sum(drift) > 0, drift
-    assert all(history[k]["moe/rollout_routing_mismatch/slot_frac"] == 0.0 for k in steps)
+    assert all(history[k]["moe/rollout_routing_mismatch/slot_frac"] < 1e-3 for k in steps)
+    # ... and gives the same probabilities up to fp32 rounding: |p_trainer - p_rollout| < 5e-5 on
+    # every token while both route alike (measured up to 6e-6; a near-tied router that flips moves
+    # one token by up to ~5e-3: seen in 2 of 360 steps of the stability preset), the mean gap
+    # below 1e-5 always
+    for k in steps:
+        m = history[k]
+        assert m["training/rollout_probs_diff_mean"] < 1e-5 and m["rollout_corr/k3_kl"] < 1e-6, m
+        if m["moe/rollout_routing_mismatch/slot_frac"] == 0:
+            assert m["training/rollout_probs_diff_max"] < 5e-5, m
 
 
 # Measured with the shipped seeds through this trainer (docs/recipe.md): GSPO -0.41 -> +0.97, GRPO

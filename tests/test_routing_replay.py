@@ -128,9 +128,9 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
         return merge_records([e[1] for e in everyone], [e[0] for e in everyone], [e[2] for e in everyone], width,
                              spec.num_layers, spec.moe_topk).routing
 
-    def log_probs(actor, tap, rows, **mode):
+    def log_probs(actor, tap, rows, micro=2, **mode):
         with tap.recording(len(rows["input_ids"]), width, training=False, **mode) as out:
-            lp = actor.forward_only(rows, 2, partial(log_prob_func, 1.0, False))["log_probs"]
+            lp = actor.forward_only(rows, micro, partial(log_prob_func, 1.0, False))["log_probs"]
         return lp, out.record
 
     actor_a = MegatronActor(spec, train, fp32, None, "cpu")
@@ -152,7 +152,8 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
     lp_native, record = log_probs(actor_b, tap_b, mine, capture=True, replay=False)
     native_b = table(record)
     with_source = {**mine, ROUTED_EXPERTS: replayed[share]}
-    lp_replay, _ = log_probs(actor_b, tap_b, with_source, capture=False, replay=True)
+    # replayed in other micro-batches than it was recorded in (4 rows instead of 2)
+    lp_replay, _ = log_probs(actor_b, tap_b, with_source, micro=4, capture=False, replay=True)
     expected = forced[share]
 
     routers = {n: p.detach().clone() for c in actor_b.chunks for n, p in c.named_parameters() if n.endswith("router.weight")}
