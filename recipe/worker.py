@@ -4,6 +4,11 @@ on), the colocated rollout engine, and the weight stream between them.
 The driver (``recipe.trainer``) calls the same method on every worker with that worker's share of
 the data; the methods that run collectives (log-probs, update, weight sync, checkpoint) must be
 called on all workers together. Batches follow ``megatron_bridge.runtime.actor``'s convention.
+
+The device alternates between the engine and the Megatron shards: ``generate`` offloads the
+training state the layout names (``param_offload``, ``grad_offload``, ``optimizer_offload``; the
+reference model's params and grads under the same flags) before it wakes the engine, and every
+method that computes with a shard puts the engine to sleep and brings that shard back first.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from megatron_bridge.runtime.offload import KINDS
 from recipe.config import RecipeConfig
 from recipe.rollout.base import Generation, SamplingParams
 
@@ -94,6 +100,7 @@ class Worker:
         options = BuildOptions(params_dtype=dtype)
         self.actor = MegatronActor(spec, layout.train, options, arr.actor.optim, platform.name)
         self.actor.load_hf(model_dir)
+        self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
         self.ref = None
         if arr.actor.use_kl_loss:
             self.ref = MegatronActor(spec, layout.train, options, None, platform.name)
@@ -145,8 +152,30 @@ class Worker:
     # --- one step ----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams) -> Generation:
+        self._offload()
         self.engine.wake_up()
         return self.engine.generate(prompts, params, request_ids=request_ids)
+
+    def _offload(self) -> None:
+        """Before the engine takes the device: the training state the layout's flags name leaves it."""
+        t = self.cfg.layout.train
+        if not (t.param_offload or t.grad_offload or t.optimizer_offload):
+            return
+        for shard in (self.actor, self.ref):
+            if shard is not None:
+                stats = shard.offload(t.param_offload, t.grad_offload, t.optimizer_offload)
+                self._count("timing_s/offload", stats["seconds"])
+                for kind in KINDS:
+                    self._count(f"perf/offload_bytes/{kind}", stats[kind])
+
+    def _on_device(self, shard) -> None:
+        """``shard``'s training state back on the device, before anything computes with it."""
+        if shard.host_copy.away:
+            self.engine.sleep()  # the state needs the memory the engine holds
+            self._count("timing_s/onload", shard.onload()["seconds"])
+
+    def _count(self, key: str, value: float) -> None:
+        self.moves[key] = self.moves.get(key, 0.0) + value
 
     def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str) -> tuple[torch.Tensor, RoutingRecord | None]:
         """Per-token log-probs [B, R] of the responses under the actor ("actor") or the reference
@@ -158,10 +187,12 @@ class Worker:
         if model == "ref":
             if self.ref is None:
                 raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true")
+            self._on_device(self.ref)
             batch = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
             micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
             return self._log_probs(self.ref, batch, micro), None
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        self._on_device(self.actor)
         rows, width = batch["input_ids"].shape
         with self.routing.recording(rows, width, capture=True, replay=ROUTED_EXPERTS in batch, training=False) as out:
             log_probs = self._log_probs(self.actor, batch, micro)
@@ -170,6 +201,7 @@ class Worker:
     def sample_routing(self, batch: dict[str, torch.Tensor]) -> RoutingRecord:
         """The actor's own routing of ``batch`` now (after the update): a forward pass without replay."""
         self.engine.sleep()
+        self._on_device(self.actor)
         rows, width = batch["input_ids"].shape
         with self.routing.recording(rows, width, capture=True, replay=False, training=False) as out:
             self._log_probs(self.actor, batch, self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
@@ -189,6 +221,7 @@ class Worker:
         from megatron_bridge.moe.routing import ROUTED_EXPERTS
 
         self.engine.sleep()
+        self._on_device(self.actor)
         a = self.cfg.actor_rollout_ref.actor
         rows, width = batch["input_ids"].shape
         with self.routing.recording(rows, width, capture=False, replay=ROUTED_EXPERTS in batch, training=True) as out:
@@ -199,17 +232,23 @@ class Worker:
     def weights_fingerprint(self) -> tuple[float, float]:
         """Sum and sum of squares (float64) of this rank's actor parameters: equal between runs
         that start from the same weights in the same layout."""
+        self._on_device(self.actor)
         params = [p.detach().double() for chunk in self.actor.chunks for p in chunk.parameters()]
         return float(sum(p.sum() for p in params)), float(sum(p.square().sum() for p in params))
 
     def memory(self) -> dict[str, float]:
+        """Peak memory, and what offload moved since the last call: ``timing_s/offload``,
+        ``timing_s/onload`` and ``perf/offload_bytes/<params|grads|optimizer>`` (bytes freed on the
+        device; grads are freed, not copied). The driver reads this once per step."""
         from recipe.metrics import memory_metrics
 
-        return memory_metrics(self.cfg.layout.cluster.device)
+        moves, self.moves = self.moves, {}
+        return {**memory_metrics(self.cfg.layout.cluster.device), **moves}
 
     def sync_weights(self) -> dict[str, float]:
         from recipe.rollout.sync import sync_weights
 
+        self._on_device(self.actor)
         return sync_weights(self.exporter, self.engine)
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -217,6 +256,7 @@ class Worker:
     def save(self, directory: str) -> None:
         """This rank's shard, optimizer, LR schedule and RNG states, in ``directory`` (which the
         driver creates and later renames into place)."""
+        self._on_device(self.actor)
         state = {
             "actor": self.actor.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -236,6 +276,7 @@ class Worker:
                 f"{state['layout'].train}; this run has {self.world_size} ranks and {self.cfg.layout.train}. "
                 "Resume with the same parallel layout (or start fresh: trainer.resume_mode=disable)"
             )
+        self._on_device(self.actor)
         self.actor.load_state_dict(state["actor"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])

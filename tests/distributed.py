@@ -1,5 +1,6 @@
-"""Run a function on N CPU gloo ranks in fresh processes (megatron keeps global state, so every
-test gets new processes). Workers report through JSON files so a failing rank is visible."""
+"""Run a function on N CPU gloo ranks (or accelerator ranks) in fresh processes (megatron keeps
+global state, so every test gets new processes). Workers report through JSON files so a failing
+rank is visible."""
 
 from __future__ import annotations
 
@@ -17,15 +18,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, platform_name: str, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
     from megatron_bridge.runtime import platform
 
-    platform.activate("cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    platform.init_distributed(platform.activate(platform_name))
     try:
         result = fn(rank, world_size, *args)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -33,7 +33,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, tmp_path, *args) -> list:
-    """fn(rank, world_size, *args) -> JSON-able, on every rank; returns the results by rank."""
-    mp.spawn(_entry, args=(world_size, free_port(), str(tmp_path), fn, args), nprocs=world_size, join=True)
+def run_ranks(fn, world_size: int, tmp_path, *args, platform_name: str = "cpu") -> list:
+    """fn(rank, world_size, *args) -> JSON-able, on every rank (one device each on an accelerator
+    platform); returns the results by rank."""
+    mp.spawn(_entry, args=(world_size, free_port(), str(tmp_path), platform_name, fn, args), nprocs=world_size,
+             join=True)
     return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]

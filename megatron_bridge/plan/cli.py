@@ -111,7 +111,8 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
     print(f"  {'training peak':<40} {_gib(m.train_peak):>12}")
     print(f"  {'rollout weights (bf16)':<40} {_gib(m.rollout_weights):>12}  exact")
     print(f"  {'rollout share (gpu_memory_utilization)':<40} {_gib(m.rollout_share):>12}")
-    print(f"  {'training state kept during rollout':<40} {_gib(m.resident_during_rollout):>12}")
+    print(f"  {'training state kept during rollout':<40} {_gib(m.resident_during_rollout):>12}  {_offloaded(v.layout)}")
+    print(f"  {'host copy of offloaded state (pinned)':<40} {_gib(m.offload_host):>12}")
     fits = {None: "unknown (give --device-memory-gb)", True: "yes", False: "NO"}
     print(f"fits: training {fits[m.train_fits]}, rollout {fits[m.rollout_fits]}")
     p = v.mc2
@@ -131,12 +132,22 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
         print("VALID")
 
 
+def _offloaded(layout: Layout) -> str:
+    t = layout.train
+    moved = [name for name, on in (("weights", t.param_offload), ("optimizer", t.optimizer_offload)) if on]
+    parts = [f"{' and '.join(moved)} to host"] if moved else []
+    parts += ["grads freed"] if t.grad_offload else []
+    return f"({'; '.join(parts)})" if parts else "(no offload)"
+
+
 def verdict_json(v: Verdict) -> dict:
     out = {"layout": v.layout.name, "valid": v.valid,
            "violations": [{"rule": x.rule, "message": x.message} for x in v.violations]}
     if v.memory is not None:
         out["memory_bytes"] = {name: value for name, value, _ in v.memory.terms}
         out["memory_bytes"]["training_peak"] = v.memory.train_peak
+        out["memory_bytes"]["kept_during_rollout"] = v.memory.resident_during_rollout
+        out["memory_bytes"]["offload_host"] = v.memory.offload_host
         out["fits"] = v.memory.fits
     if v.mc2 is not None:
         out["mc2"] = {"method": v.mc2.method, "hccl_buffsize_mb": v.mc2.hccl_buffsize_mb}

@@ -142,6 +142,20 @@ class StaticMemory:
         return self.weights + self.grads + self.optimizer
 
 
+def kept_during_rollout(static: StaticMemory, t: TrainParallel) -> int:
+    """What stays on the device while the rollout engine generates: the terms whose offload flag
+    is off. ``megatron_bridge.runtime.offload`` frees exactly these terms' storages (tested to the
+    byte): weights and optimizer state are copied to the host, grads are freed and come back zeroed."""
+    return ((0 if t.param_offload else static.weights) + (0 if t.grad_offload else static.grads)
+            + (0 if t.optimizer_offload else static.optimizer))
+
+
+def offload_host_bytes(static: StaticMemory, t: TrainParallel) -> int:
+    """Host memory (pinned, kept between steps) the offload copies this device's state into:
+    weights and optimizer state; grads are not copied."""
+    return (static.weights if t.param_offload else 0) + (static.optimizer if t.optimizer_offload else 0)
+
+
 def data_parallel_sizes(layout: Layout) -> tuple[int, int]:
     """(DP*CP, EDP): the groups dense and expert optimizer states are sharded over."""
     t, w = layout.train, layout.cluster.world_size
@@ -249,6 +263,7 @@ class MemoryReport:
     rollout_share: int | None
     rollout_weights: int
     resident_during_rollout: int
+    offload_host: int
     terms: list[tuple[str, int, bool]] = field(default_factory=list)
 
     @property
@@ -285,12 +300,11 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
         acts = activation_memory(spec, t, sum(chunks[pp_rank]), tokens)
         routing = routing_memory(spec, t, sum(chunks[pp_rank]), tokens)
         logits = logits_memory(spec, t, tokens) if pp_rank == t.pp - 1 else 0
-        resident = (0 if t.param_offload else static.weights) + (0 if t.grad_offload else static.grads) + (
-            0 if t.optimizer_offload else static.optimizer)
         reports.append(MemoryReport(
             pp_rank=pp_rank, static=static, activations=acts, logits=logits, routing=routing, device_bytes=device,
             rollout_share=int(r.gpu_memory_utilization * device) if device else None,
-            rollout_weights=rollout_weight_bytes(spec, layout), resident_during_rollout=resident,
+            rollout_weights=rollout_weight_bytes(spec, layout), resident_during_rollout=kept_during_rollout(static, t),
+            offload_host=offload_host_bytes(static, t),
         ))
     worst = max(reports, key=lambda m: m.train_peak)
     worst.terms = [

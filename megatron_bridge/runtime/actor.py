@@ -28,6 +28,7 @@ from loss.megatron_hook import MiniBatchNorm
 from megatron_bridge.plan.layout import TrainParallel
 from megatron_bridge.weights.load import LoadReport, load_hf_checkpoint
 from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
+from megatron_bridge.runtime.offload import HostCopy, training_storages
 from megatron_bridge.plan.model_spec import ModelSpec
 
 LR_DECAY_STYLES = ("constant", "cosine")
@@ -116,6 +117,7 @@ class MegatronActor:
         self.dp_size = ps.get_data_parallel_world_size()
         self.optimizer = self.scheduler = None
         self.steps = 0
+        self.host_copy = HostCopy(self.device)
         # entered around each micro-batch's model call, with the micro-batch and its padded length
         # (routing capture and replay: a router call outside it is activation recompute)
         self.forward_context: Callable[[dict, int], ContextManager] = lambda micro_batch, seq_len: contextlib.nullcontext()
@@ -152,11 +154,31 @@ class MegatronActor:
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
         )
 
+    # --- offload ---------------------------------------------------------------------------
+
+    def offload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, float]:
+        """Free the chosen training state on the device (``megatron_bridge.runtime.offload``):
+        params and optimizer state are copied to the host, grads freed. Returns the bytes freed
+        per kind ("params", "grads", "optimizer") and "seconds"."""
+        storages = training_storages(self.chunks, _optimizers(self.optimizer), self.device)
+        wanted = {"params": params, "grads": grads, "optimizer": optimizer}
+        return self.host_copy.offload({kind: s for kind, s in storages.items() if wanted[kind]})
+
+    def onload(self) -> dict[str, float]:
+        """Everything ``offload`` freed back on the device, bit for bit (grads zeroed)."""
+        return self.host_copy.onload()
+
+    def _require_on_device(self) -> None:
+        if self.host_copy.away:
+            raise RuntimeError(f"the actor's {', '.join(self.host_copy.away)} are offloaded to the host: "
+                               "call onload() first")
+
     # --- checkpoint state -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """This rank's weights, optimizer state (main parameters and moments of this rank's shard)
         and LR schedule. Loading needs the same layout."""
+        self._require_on_device()
         state = {"model": [chunk.module.state_dict() for chunk in self.chunks], "steps": self.steps}
         if self.optimizer is not None:
             state["optimizer"] = [_inner_state(o) for o in _optimizers(self.optimizer)]
@@ -164,6 +186,7 @@ class MegatronActor:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self._require_on_device()
         for chunk, weights in zip(self.chunks, state["model"], strict=True):
             chunk.module.load_state_dict(weights, strict=True)
         self.steps = state["steps"]
@@ -178,6 +201,7 @@ class MegatronActor:
         """Micro-batches padded to one length: the longest sequence of any rank, rounded up to a
         multiple of TP (sequence parallel splits it). One length everywhere is what the pipeline's
         fixed p2p shapes and the allgather dispatcher's equal-size gathers need."""
+        self._require_on_device()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         length = response_ends(batch).max().clamp(min=1).reshape(1)
         torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
