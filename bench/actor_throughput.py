@@ -4,6 +4,8 @@
     python bench/actor_throughput.py                                  # every layout, print tables
     python bench/actor_throughput.py --layouts single ep2 --steps 3
     python bench/actor_throughput.py --out docs/bench_actor.md        # also write the doc
+    python bench/actor_throughput.py --lengths long-tail --max-tokens 512 --layouts single dp2 \
+        --out docs/bench_dynamic_batch.md                             # micro-batches by rows vs by tokens
 
 For the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, saved with transformers into a
 temporary directory) and each layout, this measures on one synthetic RL batch:
@@ -13,9 +15,15 @@ temporary directory) and each layout, this measures on one synthetic RL batch:
 - one GSPO ``train_step`` (forward, backward, gradient sync, optimizer step),
 
 as valid tokens (prompt + response, padding excluded) of the whole job per second, the median over
-``--steps`` steps after one warm-up step; peak resident memory per rank; and where the train step's
+``--steps`` steps after one warm-up step; the share of the tokens the model computes that are padding; peak resident memory per rank; and where the train step's
 time goes, from megatron's own schedule timers (``config.timers``) plus timers around the
 torch.distributed collectives.
+
+With ``--max-tokens N`` every layout runs twice: micro-batches of ``--micro-batch`` rows, all padded
+to the longest sequence, and micro-batches by a token budget of N (dynamic batch size: rows of
+similar length together, each micro-batch padded to its own longest; rows dealt to DP ranks by
+length, as the trainer does). ``--lengths long-tail`` draws most responses short and a few long,
+as RL responses are.
 
 Every layout runs in fresh processes (megatron's parallel state is global), started with
 ``torch.multiprocessing.spawn``, one gloo rank each. Each rank gets ``cores // ranks`` intra-op
@@ -103,9 +111,18 @@ class BatchShape:
 
     rows: int = 16
     prompt: int = 32  # longest prompt; prompts are drawn from [prompt / 2, prompt]
-    response: int = 96  # response width R; responses are drawn from [R / 3, R]
+    response: int = 96  # response width R; uniform: drawn from [R / 3, R]; long-tail: R u^3, u ~ U(0, 1]
     micro_batch: int = 4
     seed: int = 0
+    lengths: str = "uniform"
+
+    def describe(self) -> str:
+        responses = (f"{max(1, self.response // 3)}-{self.response}" if self.lengths == "uniform"
+                     else f"long-tailed up to {self.response} (R u^3, u uniform)")
+        return f"{self.rows} rows, prompts {self.prompt // 2}-{self.prompt} and responses {responses} tokens (seed {self.seed})"
+
+
+LENGTHS = ("uniform", "long-tail")
 
 
 # --- the batch -----------------------------------------------------------------------------------
@@ -116,7 +133,11 @@ def make_batch(shape: BatchShape, vocab_size: int) -> dict[str, torch.Tensor]:
     pass fills them in). Advantages are per sequence, as GRPO/GSPO produce them."""
     g = torch.Generator().manual_seed(shape.seed)
     prompt = torch.randint(shape.prompt // 2, shape.prompt + 1, (shape.rows,), generator=g)
-    response = torch.randint(max(1, shape.response // 3), shape.response + 1, (shape.rows,), generator=g)
+    if shape.lengths == "uniform":
+        response = torch.randint(max(1, shape.response // 3), shape.response + 1, (shape.rows,), generator=g)
+    else:  # most responses short, a few near the limit
+        u = 1 - torch.rand(shape.rows, generator=g)
+        response = (shape.response * u**3).ceil().long().clamp(1, shape.response)
     width = shape.prompt + shape.response
     ids = torch.randint(3, vocab_size, (shape.rows, width), generator=g)
     ids = torch.where(torch.arange(width) < (prompt + response)[:, None], ids, 0)
@@ -268,19 +289,24 @@ def build_actor(train: TrainParallel, checkpoint: str):
     return actor
 
 
-def dp_share(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This data-parallel rank's rows (every rank of one replica gets the same)."""
+def dp_share(batch: dict[str, torch.Tensor], by_length: bool) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's rows (every rank of one replica gets the same), dealt as the
+    trainer deals one mini-batch: in order, or by length for dynamic batch size."""
     from megatron.core import parallel_state as ps
 
-    rows = len(batch["input_ids"]) // ps.get_data_parallel_world_size()
-    start = ps.get_data_parallel_rank() * rows
-    return {k: v[start : start + rows] for k, v in batch.items()}
+    from megatron_bridge.runtime.actor import dp_shares, response_ends
+
+    rows = len(batch["input_ids"])
+    shares = dp_shares(rows, rows, ps.get_data_parallel_world_size(), response_ends(batch) if by_length else None)
+    mine = shares[ps.get_data_parallel_rank()]
+    return {k: v[mine] for k, v in batch.items()}
 
 
-def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, steps: int,
+def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int,
             profile_dir: str | None) -> dict[str, Any]:
     """This rank's numbers for one layout (torch.distributed and the CPU platform are up): per
-    measured step the log-prob pass, whose log-probs become ``old_log_probs``, then a train step."""
+    measured step the log-prob pass, whose log-probs become ``old_log_probs``, then a train step;
+    micro-batches by rows, or by the token budget ``max_tokens``."""
     from loss.megatron_hook import ActorLossConfig, log_prob_func, policy_loss_func
     from megatron_bridge.runtime.actor import initialize_parallel
 
@@ -292,13 +318,18 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, steps: i
     time_collectives(timers)
 
     batch = make_batch(shape, actor.spec.vocab_size)
-    mine = dp_share(batch)
+    mine = dp_share(batch, by_length=max_tokens is not None)
     loss_cfg = ActorLossConfig()  # GSPO defaults
-    log_probs = partial(actor.forward_only, mine, shape.micro_batch, partial(log_prob_func, loss_cfg.temperature, False))
-    update = partial(actor.train_step, mine, shape.micro_batch, partial(policy_loss_func, loss_cfg))
+    log_probs = partial(actor.forward_only, mine, shape.micro_batch, partial(log_prob_func, loss_cfg.temperature, False),
+                        max_tokens)
+    update = partial(actor.train_step, mine, shape.micro_batch, partial(policy_loss_func, loss_cfg), max_tokens)
 
-    lengths = batch["prompt_lengths"] + batch["response_mask"].sum(dim=1).long()
-    out: dict[str, Any] = {"tokens": valid_tokens(batch), "padded_tokens": shape.rows * int(lengths.max()),
+    from megatron.core import parallel_state as ps
+
+    micro_batches = [mb["input_ids"].shape for mb in actor.micro_batches(mine, shape.micro_batch, max_tokens)]
+    out: dict[str, Any] = {"tokens": valid_tokens(batch), "dp_rank": ps.get_data_parallel_rank(),
+                           "computed_tokens": sum(rows * length for rows, length in micro_batches),
+                           "micro_batches": len(micro_batches),
                            "train_s": [], "log_prob_s": [], "skipped": 0, "train_phases": {}, "log_prob_phases": {}}
     for step in range(steps + 1):  # step 0 warms up
         lp_s, lp_out, lp_phases = _timed_call(log_probs, timers)
@@ -313,12 +344,12 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, steps: i
         _add(out["train_phases"], tr_phases)
     out.update(loaded_rss_mib=loaded, peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads())
     if profile_dir:  # after the memory reading: the profiler's own records would count in it
-        _torch_profile(update, Path(profile_dir, f"{layout}_rank{rank}.txt"))
+        _torch_profile(update, Path(profile_dir, f"{layout}{'_tokens' if max_tokens else ''}_rank{rank}.txt"))
     return out
 
 
 def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, threads: int, layout: str,
-                checkpoint: str, shape: BatchShape, steps: int, profile_dir: str | None) -> None:
+                checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int, profile_dir: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
@@ -332,7 +363,7 @@ def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, threads: in
     platform.activate("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        result = measure(rank, layout, checkpoint, shape, steps, profile_dir)
+        result = measure(rank, layout, checkpoint, shape, max_tokens, steps, profile_dir)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -341,8 +372,8 @@ def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, threads: in
 # --- the driver ----------------------------------------------------------------------------------
 
 
-def run_layout(layout: str, checkpoint: str, shape: BatchShape, steps: int, threads: int | None,
-               profile_dir: str | None) -> dict[str, Any]:
+def run_layout(layout: str, checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int,
+               threads: int | None, profile_dir: str | None) -> dict[str, Any]:
     """Spawn the layout's ranks and summarise what they measured."""
     import torch.multiprocessing as mp
 
@@ -350,13 +381,13 @@ def run_layout(layout: str, checkpoint: str, shape: BatchShape, steps: int, thre
     per_rank = threads or LAYOUTS[layout].threads or max(1, cpu_cores() // world)
     with tempfile.TemporaryDirectory(prefix=f"bench_{layout}_") as out_dir:
         start = time.perf_counter()
-        mp.spawn(_rank_entry, args=(world, free_port(), out_dir, per_rank, layout, checkpoint, shape, steps,
-                                    profile_dir), nprocs=world, join=True)
+        mp.spawn(_rank_entry, args=(world, free_port(), out_dir, per_rank, layout, checkpoint, shape, max_tokens,
+                                    steps, profile_dir), nprocs=world, join=True)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
-    return summarise(layout, ranks, time.perf_counter() - start)
+    return summarise(layout, max_tokens, ranks, time.perf_counter() - start)
 
 
-def summarise(layout: str, ranks: list[dict], wall_s: float) -> dict[str, Any]:
+def summarise(layout: str, max_tokens: int | None, ranks: list[dict], wall_s: float) -> dict[str, Any]:
     """Per-step time = the slowest rank's; phases are averaged over ranks, as shares of a step."""
     train_s = statistics.median(max(steps) for steps in zip(*(r["train_s"] for r in ranks)))
     log_prob_s = statistics.median(max(steps) for steps in zip(*(r["log_prob_s"] for r in ranks)))
@@ -375,7 +406,10 @@ def summarise(layout: str, ranks: list[dict], wall_s: float) -> dict[str, Any]:
         "ranks": len(ranks),
         "threads": ranks[0]["threads"],
         "tokens": ranks[0]["tokens"],
-        "padded_tokens": ranks[0]["padded_tokens"],
+        "max_tokens": max_tokens,
+        # what each model replica (DP rank) computes, padding included
+        "computed_tokens": sum({r["dp_rank"]: r["computed_tokens"] for r in ranks}.values()),
+        "micro_batches": max(r["micro_batches"] for r in ranks),
         "train_s": train_s,
         "log_prob_s": log_prob_s,
         "train_tok_s": ranks[0]["tokens"] / train_s,
@@ -403,15 +437,25 @@ def describe_layout(layout: str) -> str:
 PHASES = ("forward", "backward", "collectives in fwd/bwd", "pipeline p2p", "grad sync", "other collectives", "rest")
 
 
-def throughput_table(results: list[dict]) -> str:
+def label(result: dict) -> str:
+    return result["layout"] + (f", {result['max_tokens']} tokens" if result["max_tokens"] else "")
+
+
+def micro_batching(result: dict, micro_batch: int) -> str:
+    budget = f"<= {result['max_tokens']} tokens" if result["max_tokens"] else f"{micro_batch} rows"
+    return f"{budget} ({result['micro_batches']} / rank)"
+
+
+def throughput_table(results: list[dict], micro_batch: int) -> str:
     lines = [
-        "| layout | parallelism | ranks x threads | train step tok/s | log-prob pass tok/s | train step s | log-prob s "
-        "| peak RSS / rank (MiB) | growth in steps / rank (MiB) |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|",
+        "| layout | parallelism | ranks x threads | micro-batches | padding | train step tok/s | log-prob pass tok/s "
+        "| train step s | log-prob s | peak RSS / rank (MiB) | growth in steps / rank (MiB) |",
+        "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['layout']} | {describe_layout(r['layout'])} | {r['ranks']} x {r['threads']} "
+            f"| {label(r)} | {describe_layout(r['layout'])} | {r['ranks']} x {r['threads']} "
+            f"| {micro_batching(r, micro_batch)} | {1 - r['tokens'] / r['computed_tokens']:.0%} "
             f"| {r['train_tok_s']:,.0f} | {r['log_prob_tok_s']:,.0f} | {r['train_s']:.3f} | {r['log_prob_s']:.3f} "
             f"| {r['peak_rss_mib']:,.0f} | {r['rss_growth_mib']:,.0f} |"
         )
@@ -422,7 +466,7 @@ def phase_table(results: list[dict], key: str) -> str:
     lines = ["| layout | " + " | ".join(PHASES) + " | collective calls / rank |", "|---|" + "--:|" * (len(PHASES) + 1)]
     for r in results:
         cells = " | ".join(f"{100 * r[key].get(p, 0.0):.0f}%" for p in PHASES)
-        lines.append(f"| {r['layout']} | {cells} | {r[key][CALLS]:.0f} |")
+        lines.append(f"| {label(r)} | {cells} | {r[key][CALLS]:.0f} |")
     return "\n".join(lines)
 
 
@@ -445,12 +489,12 @@ def report(results: list[dict], command: str, shape: BatchShape, steps: int, thr
         f"Command: `{command}`",
         "",
         *machine_facts(threads_note, load_before),
-        f"- batch: {shape.rows} rows, prompts {shape.prompt // 2}-{shape.prompt} and responses "
-        f"{max(1, shape.response // 3)}-{shape.response} tokens (seed {shape.seed}), micro-batch {shape.micro_batch}, "
-        f"{results[0]['tokens']:,} valid tokens per step ({results[0]['padded_tokens']:,} with padding); fp32; "
+        f"- batch: {shape.describe()}, {results[0]['tokens']:,} valid tokens per step; fp32; "
         f"GSPO loss defaults; median of {steps} steps after 1 warm-up",
+        "- padding: the share of the tokens the model replicas compute (micro-batch rows x padded length, "
+        "summed over DP ranks) that are padding",
         "",
-        throughput_table(results),
+        throughput_table(results, shape.micro_batch),
         "",
         "Share of the train step's wall time (averaged over ranks):",
         "",
@@ -476,6 +520,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=BatchShape.prompt, help="longest prompt (default 32)")
     p.add_argument("--response", type=int, default=BatchShape.response, help="response width (default 96)")
     p.add_argument("--micro-batch", type=int, default=BatchShape.micro_batch, help="micro-batch size (default 4)")
+    p.add_argument("--lengths", choices=LENGTHS, default=BatchShape.lengths,
+                   help="response lengths: uniform in [R/3, R] (default) or long-tail (most short, a few long)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="also run every layout with micro-batches by a token budget of N per micro-batch "
+                        "(dynamic batch size)")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank (default: usable cores // ranks, at least 1)")
     p.add_argument("--checkpoint", default=None, help="HF directory of the tiny model (default: write one to a temp dir)")
@@ -488,11 +537,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < args.prompt + args.response:
+        p.error(f"--max-tokens {args.max_tokens} must hold the longest sequence, --prompt + --response = "
+                f"{args.prompt + args.response}")
     if args.out and args.out.exists() and not has_generated_block(args.out.read_text(), SCRIPT):
         p.error(f"--out {args.out} has no generated block ({' ... '.join(markers(SCRIPT))}); add one or choose a new file")
     if args.checkpoint and not Path(args.checkpoint, "config.json").is_file():
         p.error(f"--checkpoint {args.checkpoint}: no config.json there (expected a HF model directory)")
     for name in args.layouts:
+        if args.max_tokens and LAYOUTS[name].train.pp > 1:
+            p.error(f"--max-tokens with layout {name}: micro-batches of different lengths need megatron's variable "
+                    "sequence lengths in the pipeline, which the CPU path's allgather MoE dispatcher turns off; "
+                    "choose layouts without PP")
         dp = LAYOUTS[name].dp
         if args.rows % (dp * args.micro_batch):
             p.error(f"--rows {args.rows} must split into DP{dp} x --micro-batch {args.micro_batch} for layout {name}")
@@ -501,7 +557,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    shape = BatchShape(rows=args.rows, prompt=args.prompt, response=args.response, micro_batch=args.micro_batch)
+    shape = BatchShape(rows=args.rows, prompt=args.prompt, response=args.response, micro_batch=args.micro_batch,
+                       lengths=args.lengths)
     if args.torch_profile:
         Path(args.torch_profile).mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
@@ -517,13 +574,16 @@ def main(argv: list[str] | None = None) -> int:
 
             checkpoint = str(save_tiny_checkpoint(tmp))
         for layout in args.layouts:
-            print(f"[{layout}] {describe_layout(layout)} on {LAYOUTS[layout].ranks} rank(s) ...", file=sys.stderr, flush=True)
-            result = run_layout(layout, checkpoint, shape, args.steps, args.threads, args.torch_profile)
-            print(f"[{layout}] {result['train_tok_s']:,.0f} train tok/s, {result['log_prob_tok_s']:,.0f} log-prob tok/s "
-                  f"({result['job_wall_s']:.0f} s with start-up)", file=sys.stderr, flush=True)
-            if result["skipped"]:
-                print(f"[{layout}] warning: {result['skipped']} rank-steps were skipped (non-finite)", file=sys.stderr)
-            results.append(result)
+            for max_tokens in [None] + ([args.max_tokens] if args.max_tokens else []):
+                name = label({"layout": layout, "max_tokens": max_tokens})
+                print(f"[{name}] {describe_layout(layout)} on {LAYOUTS[layout].ranks} rank(s) ...", file=sys.stderr,
+                      flush=True)
+                result = run_layout(layout, checkpoint, shape, max_tokens, args.steps, args.threads, args.torch_profile)
+                print(f"[{name}] {result['train_tok_s']:,.0f} train tok/s, {result['log_prob_tok_s']:,.0f} log-prob "
+                      f"tok/s ({result['job_wall_s']:.0f} s with start-up)", file=sys.stderr, flush=True)
+                if result["skipped"]:
+                    print(f"[{name}] warning: {result['skipped']} rank-steps were skipped (non-finite)", file=sys.stderr)
+                results.append(result)
     threads_note = threads_policy(args.threads, [LAYOUTS[name] for name in args.layouts])
     command = "python bench/actor_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
     body = report(results, command.strip(), shape, args.steps, threads_note, load_before)

@@ -115,7 +115,7 @@ def reference(hf_dir: str, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1), routing
 
 
-def sharded_log_probs(actor, input_ids: torch.Tensor):
+def sharded_log_probs(actor, input_ids: torch.Tensor, micro_batch_size: int = 1):
     """Log-probs [B, S-1] of the sharded model, and this rank's ``RoutingRecord`` of the pass."""
     from functools import partial
 
@@ -131,7 +131,7 @@ def sharded_log_probs(actor, input_ids: torch.Tensor):
     tap = RoutingTap(actor.chunks, actor.spec.moe_topk, actor.train.sequence_parallel)
     actor.forward_context = tap.micro_batch
     with tap.recording(rows, length, capture=True, replay=False, training=False) as out:
-        log_probs = actor.forward_only(batch, 1, partial(log_prob_func, 1.0, False))["log_probs"]
+        log_probs = actor.forward_only(batch, micro_batch_size, partial(log_prob_func, 1.0, False))["log_probs"]
     tap.remove()
     return log_probs.float().cpu(), out.record
 

@@ -1,4 +1,5 @@
-"""GRPO outcome advantages: each response's score against the other responses to the same prompt.
+"""GRPO outcome advantages: each response's score against the other responses to the same prompt;
+and what shapes the scores first: verl's KL penalty in the reward and DAPO's group filter.
 
 As verl's ``compute_grpo_outcome_advantage``: A_i = (r_i - mean_g) / (std_g + epsilon) with the
 unbiased std of the group g (or r_i - mean_g without std normalisation), broadcast over the
@@ -10,6 +11,8 @@ preference between responses, and its mean need not round to exactly the common 
 from __future__ import annotations
 
 import torch
+
+from loss import kl_penalty
 
 
 def _check_inputs(scores: torch.Tensor, group_ids: torch.Tensor) -> None:
@@ -56,3 +59,52 @@ def token_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> t
             "[B, R] with the same B (one advantage per response)"
         )
     return torch.where(response_mask.bool(), advantages.float().unsqueeze(-1), 0.0)
+
+
+class KLController:
+    """verl's ``algorithm.kl_ctrl``: the coefficient beta of the KL penalty in the reward.
+
+    ``fixed``: beta = ``kl_coef`` throughout. ``adaptive`` (Ziegler et al. 2019, arXiv 1909.08593,
+    as verl's ``AdaptiveKLController``): after each step with mean KL ``kl`` over ``n`` trajectories,
+    beta *= 1 + clip(kl / target_kl - 1, -0.2, 0.2) * n / horizon.
+    """
+
+    def __init__(self, kind: str, kl_coef: float, target_kl: float, horizon: int):
+        if kind not in ("fixed", "adaptive"):
+            raise ValueError(f"KL controller {kind!r}: use fixed or adaptive")
+        self.kind, self.value, self.target_kl, self.horizon = kind, kl_coef, target_kl, horizon
+
+    def update(self, kl: float, n: int) -> None:
+        if self.kind == "adaptive":
+            error = min(max(kl / self.target_kl - 1, -0.2), 0.2)
+            self.value *= 1 + error * n / self.horizon
+
+
+def kl_in_reward(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+                 response_mask: torch.Tensor, controller: KLController, kl_type: str) -> tuple[torch.Tensor, dict]:
+    """verl's ``apply_kl_penalty`` on sequence scores [N]: each response's reward is its score minus
+    beta times the summed per-token KL to the reference (``kl_type``, ``loss.kl_penalty``'s names);
+    beta is the controller's value before this step, which then updates with the batch's mean
+    per-sequence KL. Returns the rewards [N] and verl's ``actor/reward_kl_penalty`` (that mean) and
+    ``actor/reward_kl_penalty_coeff`` (beta)."""
+    mask = response_mask.bool()
+    kld = torch.where(mask, kl_penalty(torch.where(mask, log_probs, 0.0), torch.where(mask, ref_log_probs, 0.0),
+                                       kl_type), 0.0).double()
+    beta = controller.value
+    per_sequence = kld.sum(-1) / mask.sum(-1).clamp(min=1)
+    current = float(per_sequence.mean())
+    controller.update(current, len(scores))
+    rewards = (scores.double() - beta * kld.sum(-1)).float()
+    return rewards, {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta}
+
+
+def varying_groups(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter (verl's ``filter_groups``): per group id in ``group_ids``
+    (ascending), whether its ``values`` differ (standard deviation > 0) or it has a single sample."""
+    _check_inputs(values, group_ids)
+    ids, group = torch.unique(group_ids, return_inverse=True)
+    values = values.double()
+    spread = _group_reduce(values, group, len(ids), "amax") > _group_reduce(values, group, len(ids), "amin")
+    single = torch.bincount(group, minlength=len(ids)) == 1
+    return spread | single
+

@@ -71,9 +71,11 @@ def plan_runs(out: str, variants: list[str], seeds: list[int], overrides: list[s
     return runs
 
 
-def finished(run: Run, total_steps: int) -> bool:
-    """The run logged its last step. A run dir made with other settings is refused."""
+def finished(run: Run) -> bool:
+    """The run logged its last step (its length is in provenance.json from its start). A run dir
+    made with other settings is refused."""
     from recipe.loggers import METRICS_FILE, read_jsonl
+    from recipe.trainer import PROVENANCE_FILE
 
     marker = os.path.join(run.directory, VARIANT_FILE)
     if not os.path.isfile(marker):
@@ -85,9 +87,13 @@ def finished(run: Run, total_steps: int) -> bool:
             f"{run.directory} holds a run with other settings ({VARIANT_FILE}: {recorded.get('overrides')}); "
             "pass another --out or delete that directory"
         )
-    metrics = os.path.join(run.directory, METRICS_FILE)
-    steps = [m["step"] for m in read_jsonl(metrics)] if os.path.isfile(metrics) else []
-    return bool(steps) and max(steps) >= total_steps
+    metrics, provenance = os.path.join(run.directory, METRICS_FILE), os.path.join(run.directory, PROVENANCE_FILE)
+    if not (os.path.isfile(metrics) and os.path.isfile(provenance)):
+        return False
+    with open(provenance) as f:
+        total = json.load(f)["total_steps"]
+    steps = [m["step"] for m in read_jsonl(metrics)]
+    return bool(steps) and max(steps) >= total
 
 
 def run_comparison(config: str, variants: list[str], seeds: list[int], out: str, overrides: list[str]) -> list[Run]:
@@ -97,7 +103,7 @@ def run_comparison(config: str, variants: list[str], seeds: list[int], out: str,
 
     runs = plan_runs(out, variants, seeds, overrides)
     configs = [load_config(config, list(run.overrides)) for run in runs]  # every error before anything runs
-    todo = [(run, cfg) for run, cfg in zip(runs, configs) if not finished(run, cfg.trainer.total_training_steps)]
+    todo = [(run, cfg) for run, cfg in zip(runs, configs) if not finished(run)]
     for run in runs:
         state = "to run" if any(run is r for r, _ in todo) else "finished"
         print(f"{run.variant} seed {run.seed}: {run.directory} ({state})")

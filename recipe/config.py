@@ -40,11 +40,12 @@ from megatron_bridge.plan.layout import Layout, layout_from_dict, layout_to_dict
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
 from megatron_bridge.plan.cli import evaluate
 from megatron_bridge.tiny_model import TINY
+from recipe.verl_compat import check_equal, translate
 
 BUILTIN_TINY = "builtin:tiny"
 ROLLOUT_ENGINE_FOR_DEVICE = {"cpu": "hf", "npu": "vllm", "cuda": "vllm"}
 _LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
-_DERIVED = "layout"  # the RecipeConfig field built from the layout keys, not a YAML key
+_DERIVED = ("layout", "ignored")  # RecipeConfig fields built while loading, not YAML keys
 
 
 # ---- schema ----------------------------------------------------------------------------------
@@ -63,6 +64,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     shuffle: bool = True
     seed: int = 1
+    gen_batch_size: int | None = None  # prompts generated at a time with filter_groups (None: train_batch_size)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,15 @@ class ModelConfig:
 @dataclass(frozen=True)
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
+
+
+@dataclass(frozen=True)
+class ActorOptimConfig(OptimConfig):
+    """The actor's optimizer keys: megatron's (``OptimConfig``, in optimizer steps) and verl's
+    ``lr_warmup_steps_ratio``: warm up over this fraction of the run (when ``lr_warmup_steps`` is
+    0), turned into optimizer steps once the run's length is known."""
+
+    lr_warmup_steps_ratio: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,8 @@ class ActorMegatronConfig:
 class ActorConfig:
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n rows), verl's meaning
     ppo_micro_batch_size_per_gpu: int = 1  # rows per forward/backward
+    use_dynamic_bsz: bool = False  # micro-batches by token budget instead of by rows
+    ppo_max_token_len_per_gpu: int = 16384  # that budget: padded tokens per micro-batch (x context parallel)
     ppo_epochs: int = 1
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -107,7 +120,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: ActorOptimConfig = field(default_factory=ActorOptimConfig)
     megatron: ActorMegatronConfig = field(default_factory=ActorMegatronConfig)
 
 
@@ -127,9 +140,14 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
-    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_micro_batch_size_per_gpu: int = 8  # the old-log-prob pass (verl's name)
+    # the pass by token budget; None: the actor's use_dynamic_bsz / ppo_max_token_len_per_gpu, as verl
+    log_prob_use_dynamic_bsz: bool | None = None
+    log_prob_max_token_len_per_gpu: int | None = None
     update_weights_bucket_megabytes: int = 512
     calculate_log_probs: bool = True  # compare the engine's log-probs with the old-log-prob pass (training/, rollout_corr/)
+    # further engine arguments per engine, as verl's: {"vllm": {...}} goes to vllm.LLM (the hf engine takes none)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_rollout_routing_replay: bool = False  # the engine reports each token's experts (R3, mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
@@ -137,6 +155,8 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool | None = None  # None: the actor's, as for the rollout's pass
+    log_prob_max_token_len_per_gpu: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,12 +168,38 @@ class ActorRolloutRefConfig:
 
 
 @dataclass(frozen=True)
+class KLControlConfig:
+    """verl's ``algorithm.kl_ctrl``: the coefficient of the KL penalty in the reward, fixed or
+    adapted towards ``target_kl`` over ``horizon`` trajectories (Ziegler et al. 2019)."""
+
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): keep only groups whose
+    ``metric`` varies, generating more batches of ``data.gen_batch_size`` prompts until
+    ``data.train_batch_size`` groups are kept."""
+
+    enable: bool = False
+    metric: str | None = None  # score | seq_reward | seq_final_reward | acc
+    max_num_gen_batches: int = 0  # give up after this many generation batches in one step; <= 0: never
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     grpo_epsilon: float = 1e-6  # added to the group's std before dividing
     # verl's decoupled rollout correction: IS weights pi_old / pi_rollout and rejection (loss.rollout_correction)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    use_kl_in_reward: bool = False  # subtract kl_ctrl's coefficient x the KL to the reference from the reward
+    kl_penalty: str = "kl"  # the KL estimator of that penalty (loss.kl_penalty's names)
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass(frozen=True)
@@ -167,6 +213,9 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
+    # verl's reward manager: "naive" scores each response, "dapo" also applies the overlong buffer;
+    # None: "dapo" when the buffer is enabled, else "naive" (the scorer is custom_reward_function's)
+    reward_manager: str | None = None
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
@@ -180,7 +229,8 @@ class CustomRewardFunctionConfig:
 class TrainerConfig:
     project_name: str = "moe_rl"
     experiment_name: str = "run"
-    total_training_steps: int = 10
+    total_training_steps: int | None = 10  # None: total_epochs decides
+    total_epochs: int | None = None  # with it, the run ends after this many passes over the data if that is sooner
     save_freq: int = -1  # -1: never
     test_freq: int = -1
     val_before_train: bool = True
@@ -192,6 +242,7 @@ class TrainerConfig:
     seed: int = 1
     routing_drift_freq: int = 1  # every this many steps, measure routing drift old -> updated policy; -1: never
     routing_drift_rows: int = 64  # rows of the step's batch that measurement re-routes (rounded to the DP size)
+    log_val_generations: int = 0  # validation samples (prompt, response, score) written per validation
 
 
 @dataclass(frozen=True)
@@ -205,6 +256,7 @@ class RecipeConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ignored: tuple[str, ...] = ()  # verl keys given that have no effect here, with the reason (not a YAML key)
 
 
 # ---- value rules (by dotted key; types come from the annotations) ----------------------------
@@ -250,8 +302,11 @@ DTYPES = ("bfloat16", "float32")
 ROLLOUT_NAMES = ("auto", "hf", "vllm")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "swanlab", "wandb")
+REWARD_MANAGERS = ("naive", "dapo")
 ADV_ESTIMATORS = ("grpo",)
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")
 
 _ACTOR = "actor_rollout_ref.actor"
 _ROLLOUT = "actor_rollout_ref.rollout"
@@ -266,6 +321,9 @@ RULES: dict[str, Rule] = {
     f"{_ACTOR}.ppo_mini_batch_size": POSITIVE,
     f"{_ACTOR}.ppo_micro_batch_size_per_gpu": POSITIVE,
     f"{_ACTOR}.ppo_epochs": POSITIVE,
+    f"{_ACTOR}.ppo_max_token_len_per_gpu": POSITIVE,
+    f"{_ROLLOUT}.log_prob_max_token_len_per_gpu": POSITIVE,
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": POSITIVE,
     f"{_ACTOR}.clip_ratio_low": at_least(0),
     f"{_ACTOR}.clip_ratio_high": at_least(0),
     f"{_ACTOR}.clip_ratio_c": greater_than(1),  # dual-clip bound on the ratio for negative advantages
@@ -280,6 +338,16 @@ RULES: dict[str, Rule] = {
     f"{_ACTOR}.optim.weight_decay": at_least(0),
     f"{_ACTOR}.optim.clip_grad": greater_than(0),
     f"{_ACTOR}.megatron.router_replay.mode": one_of(ROUTER_REPLAY_MODES),
+    f"{_ACTOR}.optim.lr_warmup_steps_ratio": lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
+    "data.gen_batch_size": POSITIVE,
+    "algorithm.kl_penalty": one_of(KL_PENALTY_TYPES),
+    "algorithm.kl_ctrl.type": one_of(KL_CTRL_TYPES),
+    "algorithm.kl_ctrl.kl_coef": at_least(0),
+    "algorithm.kl_ctrl.horizon": POSITIVE,
+    "algorithm.kl_ctrl.target_kl": greater_than(0),
+    "algorithm.filter_groups.metric": one_of(FILTER_METRICS),
+    "trainer.total_epochs": POSITIVE,
+    "trainer.log_val_generations": at_least(0),
     f"{_ROLLOUT}.name": one_of(ROLLOUT_NAMES),
     f"{_ROLLOUT}.n": POSITIVE,
     f"{_ROLLOUT}.temperature": greater_than(0),  # the actor divides logits by it
@@ -294,6 +362,7 @@ RULES: dict[str, Rule] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": POSITIVE,
     "algorithm.adv_estimator": one_of(ADV_ESTIMATORS),
     "algorithm.grpo_epsilon": greater_than(0),
+    "reward_model.reward_manager": lambda v: None if v is None else one_of(REWARD_MANAGERS)(v),
     "reward_model.overlong_buffer.len": at_least(0),
     "reward_model.overlong_buffer.penalty_factor": at_least(0),
     "trainer.total_training_steps": POSITIVE,
@@ -335,11 +404,15 @@ def _read_yaml(path: str) -> dict:
 
 
 def parse_overrides(args: Iterable[str]) -> dict:
-    """``["a.b=c", ...]`` -> ``{"a": {"b": c}}``, values read as YAML (``1e-6``, ``[a,b]``, ``null``)."""
+    """``["a.b=c", ...]`` -> ``{"a": {"b": c}}``, values read as YAML (``1e-6``, ``[a,b]``, ``null``).
+    Hydra's ``+key`` / ``++key`` (add or force a key), as verl's scripts write them, mean ``key``."""
     out: dict = {}
     for arg in args:
         key, sep, text = arg.partition("=")
-        parts = key.strip().split(".")
+        if key.startswith("~"):
+            raise ConfigError(f"override {arg!r}: deleting a key (~key) is not supported; leave the key out or set "
+                              "it to its default")
+        parts = key.strip().lstrip("+").split(".")
         if not sep or not all(parts):
             raise ConfigError(f"override {arg!r}: expected key.sub=value, e.g. data.train_batch_size=16")
         try:
@@ -399,14 +472,18 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RecipeConfig:
 
 
 def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
-    """Type and validate an already composed config (``name`` labels the errors: the file)."""
-    cfg = _build(data, name)
+    """Type and validate an already composed config (``name`` labels the errors: the file). verl's
+    spellings are translated first (``recipe.verl_compat``)."""
+    verl = translate(data)
+    if verl.errors:
+        raise ConfigError(f"{name}: verl keys that do not apply here:\n" + "\n".join(f"  - {e}" for e in verl.errors))
+    cfg = _build(verl.data, name, tuple(verl.ignored))
     plain = config_to_dict(cfg)  # defaults filled in, so references to them resolve too
     resolved = _interpolate(plain, name)
     if resolved != plain:
-        cfg = _build(resolved, name)
-    cfg = _resolve_rollout_engine(cfg, name)
-    problems = _cross_checks(cfg) + _layout_problems(cfg, name)
+        cfg = _build(resolved, name, tuple(verl.ignored))
+    cfg = _log_prob_passes_follow_actor(_resolve_rollout_engine(cfg, name))
+    problems = check_equal(verl.equal_checks, config_to_dict(cfg)) + _cross_checks(cfg) + _layout_problems(cfg, name)
     if problems:
         raise ConfigError(f"{name}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
@@ -414,7 +491,7 @@ def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
 
 def config_to_dict(cfg: RecipeConfig) -> dict:
     """The config in YAML key form, layout keys included (inverse of ``config_from_dict``)."""
-    data = {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg) if f.name != _DERIVED}
+    data = {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in _DERIVED}
     return deep_merge(data, layout_to_dict(cfg.layout))
 
 
@@ -427,12 +504,37 @@ def _plain(value: Any) -> Any:
 # ---- typing: dict -> dataclasses -------------------------------------------------------------
 
 
-def _build(data: Mapping[str, Any], name: str) -> RecipeConfig:
+def _build(data: Mapping[str, Any], name: str, ignored: tuple[str, ...] = ()) -> RecipeConfig:
+    unknown = _unknown_keys(data, RecipeConfig, _LAYOUT_KEYS, "")
+    if unknown:
+        raise ConfigError(f"{name}: {len(unknown)} unknown key(s):\n" + "\n".join(f"  - {u}" for u in unknown))
     layout_part: dict = {}
     values = _typed_fields(RecipeConfig, data, "", _LAYOUT_KEYS, layout_part, name)
     layout = layout_from_dict(layout_part, name)
     layout_name = os.path.basename(values.get("parallel", RecipeConfig.parallel)).removesuffix(".yaml")
-    return RecipeConfig(**values, layout=dataclasses.replace(layout, name=layout_name))
+    return RecipeConfig(**values, layout=dataclasses.replace(layout, name=layout_name), ignored=ignored)
+
+
+def _unknown_keys(data: Any, cls, layout_keys: Any, key: str) -> list[str]:
+    """Every unknown key under ``data`` (the schema ``cls`` and the layout keys), each with the
+    nearest known one, so that one error lists them all."""
+    if not isinstance(data, Mapping):
+        return []  # a non-mapping section is a type error, reported when typing
+    schema = {f.name: f for f in fields(cls) if f.name not in _DERIVED} if cls is not None else {}
+    layout_keys = layout_keys if isinstance(layout_keys, Mapping) else {}
+    known = list(schema) + [k for k in layout_keys if k not in schema]
+    hints = typing.get_type_hints(cls) if cls is not None else {}
+    out = []
+    for sub, value in data.items():
+        if sub not in known:
+            near = nearest_key(sub, known)
+            out.append(f"{_join(key, str(sub))}: unknown key; "
+                       + (f"did you mean {_join(key, near)}?" if near else f"known keys here: {', '.join(known)}"))
+        else:
+            nested = hints.get(sub) if dataclasses.is_dataclass(hints.get(sub)) else None
+            if nested is not None or isinstance(layout_keys.get(sub), Mapping):
+                out += _unknown_keys(value, nested, layout_keys.get(sub, {}), _join(key, sub))
+    return out
 
 
 def _join(key: str, sub: str) -> str:
@@ -452,7 +554,7 @@ def _check_known(data: Any, known: list[str], key: str, name: str) -> None:
 def _typed_fields(cls, data: Any, key: str, layout_keys: Mapping, layout_out: dict, name: str) -> dict:
     """The fields of ``cls`` from ``data``, typed and checked; layout keys go to ``layout_out``."""
     data = {} if data is None else data
-    schema = {f.name: f for f in fields(cls) if f.name != _DERIVED}
+    schema = {f.name: f for f in fields(cls) if f.name not in _DERIVED}
     _check_known(data, list(schema) + [k for k in layout_keys if k not in schema], key, name)
     hints = typing.get_type_hints(cls)
     for sub, value in data.items():
@@ -494,7 +596,8 @@ def _layout_only(value: Any, layout_keys: Any, key: str, name: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a mapping of keys"
+                                                                                             if typing.get_origin(tp) is dict else str(tp))
 
 
 def _coerce(value: Any, tp: Any, key: str, name: str) -> Any:
@@ -516,6 +619,10 @@ def _coerce(value: Any, tp: Any, key: str, name: str) -> Any:
         if not isinstance(items, list):
             raise ConfigError(f"{name}: {key}={value!r}: expected a list of strings, e.g. [a, b]")
         value = [_coerce(item, typing.get_args(tp)[0], f"{key}[{i}]", name) for i, item in enumerate(items)]
+    elif typing.get_origin(tp) is dict:  # free-form, passed on as it is (engine arguments)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{name}: {key}={value!r}: expected a mapping of keys")
+        value = dict(value)
     elif tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     elif not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -576,7 +683,29 @@ def _resolve_rollout_engine(cfg: RecipeConfig, name: str) -> RecipeConfig:
             f"use {engine!r} or 'auto'"
         )
     arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(rollout, name=engine))
+    ignored = cfg.ignored + tuple(f"{_ROLLOUT}.engine_kwargs.{k} (the {engine} engine takes no such arguments)"
+                                  for k in rollout.engine_kwargs if k != engine)
+    return dataclasses.replace(cfg, actor_rollout_ref=arr, ignored=ignored)
+
+
+def _log_prob_passes_follow_actor(cfg: RecipeConfig) -> RecipeConfig:
+    """The log-prob passes' dynamic batch size keys left unset take the actor's (verl's defaults)."""
+    arr = cfg.actor_rollout_ref
+    actor = arr.actor
+
+    def follow(section):
+        return dataclasses.replace(
+            section,
+            log_prob_use_dynamic_bsz=_first_set(section.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz),
+            log_prob_max_token_len_per_gpu=_first_set(section.log_prob_max_token_len_per_gpu,
+                                                      actor.ppo_max_token_len_per_gpu))
+
+    arr = dataclasses.replace(arr, rollout=follow(arr.rollout), ref=follow(arr.ref))
     return dataclasses.replace(cfg, actor_rollout_ref=arr)
+
+
+def _first_set(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _divisors(n: int) -> str:
@@ -622,12 +751,26 @@ def _batch_problems(cfg: RecipeConfig) -> list[str]:
 def _cross_checks(cfg: RecipeConfig) -> list[str]:
     out = _batch_problems(cfg)
     trainer, data = cfg.trainer, cfg.data
+    if trainer.total_training_steps is None and trainer.total_epochs is None:
+        out.append("trainer.total_training_steps=null needs trainer.total_epochs (the run's length)")
+    groups = cfg.algorithm.filter_groups
+    if groups.enable and groups.metric is None:
+        out.append(f"algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric: one of {', '.join(FILTER_METRICS)}")
+    if data.gen_batch_size is not None and not groups.enable and data.gen_batch_size != data.train_batch_size:
+        out.append(f"data.gen_batch_size ({data.gen_batch_size}) differs from data.train_batch_size "
+                   f"({data.train_batch_size}): it only applies with algorithm.filter_groups.enable=true")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         out.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint directory)")
     model = cfg.actor_rollout_ref.model
     if model.path == BUILTIN_TINY and model.config and not os.path.basename(model.config).startswith(TINY):
         out.append(f"actor_rollout_ref.model.path={BUILTIN_TINY} builds a tiny model: "
                    f"actor_rollout_ref.model.config must name a configs/model/{TINY}*.yaml shape, not {model.config!r}")
+    arr = cfg.actor_rollout_ref
+    if cfg.layout.cluster.device == "cpu" and cfg.layout.train.pp > 1 and (
+            arr.actor.use_dynamic_bsz or arr.rollout.log_prob_use_dynamic_bsz or arr.ref.log_prob_use_dynamic_bsz):
+        out.append("dynamic batch size with pipeline parallel needs megatron's variable sequence lengths, which the "
+                   "CPU path's allgather MoE dispatcher does not support (megatron-core 0.12.1): on CPU use "
+                   "pipeline_model_parallel_size=1 or use_dynamic_bsz=false")
     rc = cfg.algorithm.rollout_correction
     if (rc.rollout_is is not None or rc.rollout_rs is not None) and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         out.append(f"algorithm.rollout_correction needs the rollout engine's log-probs: set "
@@ -637,10 +780,14 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
         out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 replays the rollout engine's routing: set "
                    f"{_ROLLOUT}.enable_rollout_routing_replay=true (or use mode R2)")
     buffer = cfg.reward_model.overlong_buffer
+    if buffer.enable and cfg.reward_model.reward_manager == "naive":
+        out.append("reward_model.overlong_buffer is applied by the dapo reward manager, as in verl: set "
+                   "reward_model.reward_manager=dapo (or reward_model.overlong_buffer.enable=false)")
     if buffer.enable and not 0 < buffer.len < data.max_response_length:
         out.append(
             f"reward_model.overlong_buffer.len ({buffer.len}) must be in [1, data.max_response_length "
-            f"({data.max_response_length})) when the buffer is enabled: the penalty ramps over the last len tokens"
+            f"({data.max_response_length})) when the buffer is enabled: the penalty ramps over the last len tokens; "
+            "lower it or set reward_model.overlong_buffer.enable=false"
         )
     return out
 

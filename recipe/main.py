@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None, algo: str | None = None) -> int:
     try:
         overrides = list(args.overrides) + ([f"algo={algo}"] if algo else [])
         cfg = load_config(args.config, overrides)
+        if cfg.ignored:
+            print("verl keys with no effect here: " + "; ".join(cfg.ignored), file=sys.stderr)
         from recipe.trainer import train
 
         train(cfg)

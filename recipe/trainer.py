@@ -10,6 +10,7 @@ One step::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,20 +25,22 @@ from tqdm import tqdm
 from loss import rollout_correction, rollout_mismatch_metrics
 from megatron_bridge.moe.routing import ROUTED_EXPERTS
 from megatron_bridge.moe.table import RoutingRecord, merge_records
+from megatron_bridge.runtime.actor import dp_shares, response_ends
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.tiny_model import TINY
-from recipe.advantage import grpo_advantages, token_advantages
+from recipe.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages, varying_groups
 from recipe.config import BUILTIN_TINY, RecipeConfig, config_to_dict
-from recipe.data import BatchSampler, PromptDataset, PromptSample, val_batches
+from recipe.data import BatchSampler, DataError, PromptDataset, PromptSample, val_batches
 from recipe.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.metrics import Timer, data_metrics, mean_metrics, throughput_metrics
-from recipe.reward import OverlongConfig, RewardInput, compute_rewards, make_reward_fn
+from recipe.reward import OverlongConfig, RewardInput, RewardOutput, compute_rewards, make_reward_fn
 from recipe.rollout.base import SamplingParams, request_seed
 from recipe.routing import replay_source, rollout_routing, routing_metrics, token_mask
 from recipe.worker_group import WorkerGroup, init_ray
 
 CHECKPOINT_PREFIX = "global_step_"
 PROVENANCE_FILE = "provenance.json"
+VAL_GENERATIONS_FILE = "val_generations.jsonl"
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -97,7 +100,15 @@ class Trainer:
                            filter_overlong_prompts=d.filter_overlong_prompts)
         self.train_data = PromptDataset(train_files, self.tokenizer, **data_kwargs)
         self.val_data = PromptDataset(val_files, self.tokenizer, **data_kwargs) if val_files else None
-        self.sampler = BatchSampler(len(self.train_data), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        self.sampler = BatchSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
+                                    seed=d.seed)
+        t = cfg.trainer
+        self.total_steps = run_length(t.total_training_steps, t.total_epochs, self.sampler.batches_per_epoch)
+        self.cfg = cfg = with_warmup_from_ratio(cfg, self.total_steps)
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = KLController(k.type, k.kl_coef, k.target_kl, k.horizon)
+        arr = cfg.actor_rollout_ref
+        self.dynamic_batches = arr.actor.use_dynamic_bsz or arr.rollout.log_prob_use_dynamic_bsz or arr.ref.log_prob_use_dynamic_bsz
         custom = cfg.custom_reward_function
         self.reward_fn = make_reward_fn(custom.path, custom.name)
         ob = cfg.reward_model.overlong_buffer
@@ -128,6 +139,7 @@ class Trainer:
             self.workers.call("load", [(str(checkpoint),)] * self.workers.world_size, "checkpoint load")
             self.step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
+            self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
             tqdm.write(f"resumed from {checkpoint} (step {self.step})")
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
         loggers = self.cfg.trainer.logger
@@ -147,7 +159,8 @@ class Trainer:
         fingerprints = self.workers.call("weights_fingerprint", phase="weights fingerprint")
         t = self.cfg.trainer
         path.write_text(json.dumps({"model_dir": self.model_dir, "initial_weights_fingerprint": fingerprints,
-                                    "trainer_seed": t.seed, "data_seed": self.cfg.data.seed}, indent=2))
+                                    "trainer_seed": t.seed, "data_seed": self.cfg.data.seed,
+                                    "total_steps": self.total_steps}, indent=2))
 
     def _checkpoint_to_resume(self) -> Path | None:
         t = self.cfg.trainer
@@ -167,8 +180,8 @@ class Trainer:
         t = self.cfg.trainer
         if self.step == 0 and t.val_before_train and self.val_data is not None:
             self.tracking.log(self.validate(), step=0)
-        bar = progress_bar(total=t.total_training_steps, initial=self.step, desc="steps", unit="step", dynamic_ncols=True)
-        while self.step < t.total_training_steps:
+        bar = progress_bar(total=self.total_steps, initial=self.step, desc="steps", unit="step", dynamic_ncols=True)
+        while self.step < self.total_steps:
             try:
                 metrics = self.train_step(self.step + 1)
             except Exception as e:
@@ -176,10 +189,10 @@ class Trainer:
                 raise
             self.step += 1
             if t.test_freq > 0 and self.val_data is not None and (
-                self.step % t.test_freq == 0 or self.step == t.total_training_steps
+                self.step % t.test_freq == 0 or self.step == self.total_steps
             ):
                 metrics.update(self.validate())
-            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == t.total_training_steps):
+            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
                 self.save_checkpoint()
             self.tracking.log(metrics, step=self.step)
             bar.update(1)
@@ -188,17 +201,12 @@ class Trainer:
         return self.finish()
 
     def train_step(self, step: int) -> dict[str, float]:
-        cfg, timer, t = self.cfg, Timer(), self.cfg.trainer
-        n = cfg.actor_rollout_ref.rollout.n
+        cfg, timer, t, a = self.cfg, Timer(), self.cfg.trainer, self.cfg.algorithm
         with timer("step"):
-            prompts = [self.train_data[i] for i in self.sampler.next_batch()]
             with timer("gen"):
-                rollout = self.generate(prompts, n, self.sampling_params(step))
-            rewards = self.rewards(rollout)
+                rollout, rewards, gen_batches = self.sample(step)
             scores = torch.tensor(rewards.scores, dtype=torch.float32)
-            a = cfg.algorithm
-            advantages = grpo_advantages(scores, rollout.groups, a.norm_adv_by_std_in_grpo, a.grpo_epsilon)
-            batch = self.make_batch(rollout, advantages)
+            batch = self.make_batch(rollout)
             engine_routing = rollout_routing(rollout.routed_experts, batch["input_ids"].shape[1])
             replay = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
             if replay == "R3":  # the old log-probs too come from the rollout's experts
@@ -206,12 +214,18 @@ class Trainer:
             with timer("old_log_prob"):
                 batch["old_log_probs"], old = self.log_probs(batch, "actor")
             batch.pop(ROUTED_EXPERTS, None)
-            valid = token_mask(batch)  # before rejection sampling takes tokens out of the loss
-            response_lengths = batch["response_mask"].sum(1)
-            mismatch = self.correct_for_rollout(batch, rollout)
-            if cfg.actor_rollout_ref.actor.use_kl_loss:
+            if cfg.actor_rollout_ref.actor.use_kl_loss or a.use_kl_in_reward:
                 with timer("ref"):
                     batch["ref_log_probs"], _ = self.log_probs(batch, "ref")
+            valid = token_mask(batch)  # before rejection sampling takes tokens out of the loss
+            response_lengths = batch["response_mask"].sum(1)
+            rewarded, shaping = scores, {}
+            if a.use_kl_in_reward:
+                rewarded, shaping = kl_in_reward(scores, batch["old_log_probs"], batch["ref_log_probs"],
+                                                 batch["response_mask"], self.kl_ctrl, a.kl_penalty)
+            mismatch = self.correct_for_rollout(batch, rollout)
+            advantages = grpo_advantages(rewarded, rollout.groups, a.norm_adv_by_std_in_grpo, a.grpo_epsilon)
+            batch["advantages"] = token_advantages(advantages, batch["response_mask"])
             if replay != "disabled":
                 batch[ROUTED_EXPERTS] = old.routing if replay == "R2" else replay_source(engine_routing, old.routing)
             with timer("update_actor"):
@@ -227,6 +241,13 @@ class Trainer:
             cfg.data.max_response_length, acc=torch.tensor(rewards.acc, dtype=torch.float32),
         )
         metrics.update(update)
+        metrics.update(shaping)
+        if a.use_kl_in_reward:  # verl's: the sequence rewards after the penalty, beside critic/score/*
+            metrics.update({k.replace("critic/score", "critic/rewards"): v for k, v in data_metrics(
+                rewarded, advantages, response_lengths, batch["prompt_lengths"], cfg.data.max_response_length).items()
+                if k.startswith("critic/score/")})
+        if a.filter_groups.enable:
+            metrics["train/num_gen_batches"] = float(gen_batches)
         if update["actor/skipped"]:
             tqdm.write(f"step {step}: non-finite loss or grad norm ({update.get('actor/grad_norm')}): "
                        "optimizer step skipped, weights unchanged")
@@ -242,8 +263,39 @@ class Trainer:
                 metrics[key] = max(metrics.get(key, 0.0), value)
         metrics["training/epoch"] = float(self.sampler.epoch)
         # the step's prompts, in order: runs that saw the same prompts log the same number
+        prompts = rollout.samples[:: cfg.actor_rollout_ref.rollout.n]
         metrics["data/prompt_hash"] = float(zlib.crc32(torch.tensor([t for s in prompts for t in s.prompt_ids]).numpy()))
         return metrics
+
+    def sample(self, step: int) -> tuple[Rollout, RewardOutput, int]:
+        """The step's rollout and rewards, and how many generation batches it took. With
+        ``algorithm.filter_groups`` (DAPO's dynamic sampling), batches of ``data.gen_batch_size``
+        prompts are generated until ``data.train_batch_size`` prompts have a group whose metric
+        varies; the surplus is dropped, as in verl."""
+        cfg = self.cfg
+        n, want, groups = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size, cfg.algorithm.filter_groups
+        params = self.sampling_params(step)
+        batches: list[tuple[Rollout, RewardOutput]] = []
+        kept: list[int] = []  # prompt groups numbered across the generation batches
+        while True:
+            prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+            rollout = self.generate(prompts, n, params, first_row=len(batches) * len(prompts) * n)
+            rewards = self.rewards(rollout)
+            if not groups.enable:
+                return rollout, rewards, 1
+            metric = rewards.acc if groups.metric == "acc" else rewards.scores
+            varying = varying_groups(torch.tensor(metric, dtype=torch.float64), rollout.groups)
+            kept += (varying.nonzero().flatten() + len(batches) * len(prompts)).tolist()
+            batches.append((rollout, rewards))
+            if len(kept) >= want:
+                return (*_select_groups(batches, kept[:want], n), len(batches))
+            gen_batches, count = len(batches), len(kept)
+            if 0 < groups.max_num_gen_batches <= gen_batches:
+                raise DataError(
+                    f"step {step}: after {gen_batches} generation batches only {count} of {want} prompts had responses "
+                    f"whose {groups.metric} differed (algorithm.filter_groups.max_num_gen_batches="
+                    f"{groups.max_num_gen_batches}): the prompts are too easy or too hard for the model; raise the "
+                    "limit (<= 0: no limit) or change the data")
 
     # --- phases ------------------------------------------------------------------------------
 
@@ -259,15 +311,16 @@ class Trainer:
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_tokens=self.cfg.data.max_response_length, seed=seed)
 
-    def generate(self, prompts: list[PromptSample], n: int, params: SamplingParams) -> Rollout:
+    def generate(self, prompts: list[PromptSample], n: int, params: SamplingParams, first_row: int = 0) -> Rollout:
         """``n`` responses per prompt. Rows are split into contiguous shares, one per rollout DP
-        rank; every rank of a rollout TP group gets its group's share."""
+        rank; every rank of a rollout TP group gets its group's share. Each row samples from its own
+        seed, numbered from ``first_row`` (a step's later generation batches draw afresh)."""
         rows = [s for s in prompts for _ in range(n)]
         shares = _split(len(rows), self.rollout_dp)
         args = []
         for info in self.infos:
             lo, hi = shares[info.rollout_dp_rank]
-            args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(lo, hi)), params))
+            args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(first_row + lo, first_row + hi)), params))
         outputs = self.workers.call("generate", args, "generation")
         response_ids, log_probs, finish, routed = [], [], [], []
         for info, out in zip(self.infos, outputs):
@@ -287,7 +340,7 @@ class Trainer:
         ]
         return compute_rewards(inputs, self.reward_fn, self.cfg.data.max_response_length, self.overlong)
 
-    def make_batch(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+    def make_batch(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """Prompt + response per row, right-padded (the actor's batch convention)."""
         prompts = [s.prompt_ids for s in rollout.samples]
         width_r = max(1, max(len(r) for r in rollout.response_ids))
@@ -302,7 +355,6 @@ class Trainer:
             "input_ids": input_ids,
             "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.long),
             "response_mask": response_mask,
-            "advantages": token_advantages(advantages, response_mask),
         }
 
     def correct_for_rollout(self, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
@@ -325,12 +377,10 @@ class Trainer:
             metrics.update(corrected)
         return metrics
 
-    def dp_rows(self, rows: int, mini_batch_rows: int) -> list[torch.Tensor]:
-        """Row indices of each DP rank: within every global mini-batch, rank d takes the d-th
-        slice, so mini-batch m holds the same rows whatever the DP size (DP-invariant update)."""
-        per_rank = mini_batch_rows // self.dp_size
-        index = torch.arange(rows).reshape(rows // mini_batch_rows, self.dp_size, per_rank)
-        return [index[:, d].reshape(-1) for d in range(self.dp_size)]
+    def dp_rows(self, batch: dict[str, torch.Tensor], mini_batch_rows: int) -> list[torch.Tensor]:
+        """Row indices of each DP rank (``dp_shares``): by length with dynamic batch size."""
+        return dp_shares(len(batch["input_ids"]), mini_batch_rows, self.dp_size,
+                         response_ends(batch) if self.dynamic_batches else None)
 
     def mini_batch_rows(self) -> int:
         return self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n
@@ -338,7 +388,7 @@ class Trainer:
     def log_probs(self, batch: dict[str, torch.Tensor], model: str) -> tuple[torch.Tensor, RoutingRecord | None]:
         """Log-probs [rows, R] under the actor or the reference; the actor's pass also gives its routing."""
         rows = len(batch["input_ids"])
-        shares = self.dp_rows(rows, self.mini_batch_rows())
+        shares = self.dp_rows(batch, self.mini_batch_rows())
         args = [({k: v[shares[info.dp_rank]] for k, v in batch.items()}, model) for info in self.infos]
         outputs = self.workers.call("compute_log_probs", args, f"{model} log-probs")
         result = torch.empty(rows, batch["response_mask"].shape[1], dtype=torch.float32)
@@ -352,7 +402,7 @@ class Trainer:
     def update(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, float], RoutingRecord | None]:
         """The update's metrics, and with replay what the training forwards replayed."""
         rows, mini = len(batch["input_ids"]), self.mini_batch_rows()
-        shares = self.dp_rows(rows, mini)
+        shares = self.dp_rows(batch, mini)
         args = [({k: v[shares[info.dp_rank]] for k, v in batch.items()}, mini // self.dp_size) for info in self.infos]
         outputs = self.workers.call("update", args, "actor update")
         per_step = outputs[0][0]
@@ -384,15 +434,24 @@ class Trainer:
                              [info.tp_rank == 0 or sp for info in self.infos], width, self.spec.num_layers, self.spec.moe_topk)
 
     def validate(self) -> dict[str, float]:
-        """Greedy (or ``val_kwargs``) responses to every validation prompt: val/score, val/acc."""
+        """Greedy (or ``val_kwargs``) responses to every validation prompt: val/score, val/acc. The
+        first ``trainer.log_val_generations`` go to ``val_generations.jsonl`` (prompt, response, score)."""
         v = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        scores, accs, lengths = [], [], []
+        scores, accs, lengths, shown = [], [], [], []
         for indices in val_batches(len(self.val_data), self.cfg.data.val_batch_size):
             rollout = self.generate([self.val_data[i] for i in indices], v.n, self.sampling_params(self.step, True))
             out = self.rewards(rollout)
             scores += out.scores
             accs += out.acc
             lengths += [len(r) for r in rollout.response_ids]
+            for sample, response, score in zip(rollout.samples, rollout.response_ids, out.scores):
+                if len(shown) < self.cfg.trainer.log_val_generations:
+                    shown.append({"step": self.step, "prompt": self.tokenizer.decode(sample.prompt_ids),
+                                  "response": self.tokenizer.decode(response, skip_special_tokens=True),
+                                  "ground_truth": sample.ground_truth, "score": score})
+        if shown:
+            with open(self.dir / VAL_GENERATIONS_FILE, "a") as f:
+                f.writelines(json.dumps(line, default=str) + "\n" for line in shown)
         return {"val/score/mean": sum(scores) / len(scores), "val/acc/mean": sum(accs) / len(accs),
                 "val/response_length/mean": sum(lengths) / len(lengths)}
 
@@ -406,7 +465,7 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.workers.call("save", [(str(tmp),)] * self.workers.world_size, "checkpoint save")
-        state = {"step": self.step, "sampler": self.sampler.state_dict()}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value}
         (tmp / TRAINER_STATE).write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -430,6 +489,25 @@ class Trainer:
             self.workers = None
 
 
+def run_length(total_training_steps: int | None, total_epochs: int | None, steps_per_epoch: int) -> int:
+    """RL steps of the run, as verl counts them: the sooner of ``total_training_steps`` and
+    ``total_epochs`` passes over the data (the config asks for at least one of them)."""
+    limits = [total_training_steps, None if total_epochs is None else total_epochs * steps_per_epoch]
+    return max(1, min(s for s in limits if s is not None))
+
+
+def with_warmup_from_ratio(cfg: RecipeConfig, total_steps: int) -> RecipeConfig:
+    """verl's ``optim.lr_warmup_steps_ratio`` as ``lr_warmup_steps`` (used when that is 0): the
+    fraction of ``lr_decay_steps``, or of the run's optimizer steps (mini-batches x epochs per RL step)."""
+    arr = cfg.actor_rollout_ref
+    actor, o = arr.actor, arr.actor.optim
+    if not o.lr_warmup_steps_ratio or o.lr_warmup_steps:
+        return cfg
+    per_step = cfg.data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs
+    optim = dataclasses.replace(o, lr_warmup_steps=int(o.lr_warmup_steps_ratio * (o.lr_decay_steps or total_steps * per_step)))
+    return dataclasses.replace(cfg, actor_rollout_ref=dataclasses.replace(arr, actor=dataclasses.replace(actor, optim=optim)))
+
+
 def _split(rows: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal [lo, hi) ranges."""
     bounds = [round(i * rows / parts) for i in range(parts + 1)]
@@ -444,3 +522,23 @@ def train(cfg: RecipeConfig) -> Path:
     finally:
         trainer.close()
 
+
+
+
+def _select_groups(batches: list[tuple[Rollout, RewardOutput]], groups: list[int], n: int) -> tuple[Rollout, RewardOutput]:
+    """The given prompt groups (numbered across the generation ``batches``, ``n`` rows each) as one
+    rollout and its rewards, groups renumbered in that order."""
+    rows = [g * n + i for g in groups for i in range(n)]
+
+    def pick(values: list[list]) -> list:
+        flat = [v for part in values for v in part]
+        return [flat[r] for r in rows]
+
+    rollouts, rewards = [b[0] for b in batches], [b[1] for b in batches]
+    routed = None if any(r.routed_experts is None for r in rollouts) else pick([r.routed_experts for r in rollouts])
+    return (Rollout(pick([r.samples for r in rollouts]), torch.arange(len(groups)).repeat_interleave(n),
+                    pick([r.response_ids for r in rollouts]), pick([r.log_probs for r in rollouts]),
+                    pick([r.finish_reasons for r in rollouts]), routed),
+            RewardOutput(scores=pick([r.scores for r in rewards]), acc=pick([r.acc for r in rewards]),
+                         overlong_penalty=pick([r.overlong_penalty for r in rewards]),
+                         extra={k: pick([r.extra[k] for r in rewards]) for k in rewards[0].extra}))

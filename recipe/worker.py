@@ -147,7 +147,8 @@ class Worker:
         data = cfg.data
         return VLLMEngine(model_dir, cfg.layout.rollout, platform=platform_name, dtype=dtype,
                           max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
-                          return_routed_experts=cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay)
+                          return_routed_experts=cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay,
+                          engine_kwargs=cfg.actor_rollout_ref.rollout.engine_kwargs.get("vllm"))
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -189,13 +190,13 @@ class Worker:
                 raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true")
             self._on_device(self.ref)
             batch = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
-            micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-            return self._log_probs(self.ref, batch, micro), None
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+            ref = self.cfg.actor_rollout_ref.ref
+            return self._log_probs(self.ref, batch, ref.log_prob_micro_batch_size_per_gpu,
+                                   self._budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu)), None
         self._on_device(self.actor)
         rows, width = batch["input_ids"].shape
         with self.routing.recording(rows, width, capture=True, replay=ROUTED_EXPERTS in batch, training=False) as out:
-            log_probs = self._log_probs(self.actor, batch, micro)
+            log_probs = self._actor_log_probs(batch)
         return log_probs, out.record
 
     def sample_routing(self, batch: dict[str, torch.Tensor]) -> RoutingRecord:
@@ -204,15 +205,25 @@ class Worker:
         self._on_device(self.actor)
         rows, width = batch["input_ids"].shape
         with self.routing.recording(rows, width, capture=True, replay=False, training=False) as out:
-            self._log_probs(self.actor, batch, self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+            self._actor_log_probs(batch)
         return out.record
 
-    def _log_probs(self, shard, batch: dict[str, torch.Tensor], micro: int) -> torch.Tensor:
+    def _actor_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The actor's pass as the old-log-prob pass runs (verl's ``rollout.log_prob_*`` keys)."""
+        r = self.cfg.actor_rollout_ref.rollout
+        return self._log_probs(self.actor, batch, r.log_prob_micro_batch_size_per_gpu,
+                               self._budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu))
+
+    def _log_probs(self, shard, batch: dict[str, torch.Tensor], micro: int, max_tokens: int | None) -> torch.Tensor:
         from loss.megatron_hook import log_prob_func
 
         loss_fn = partial(log_prob_func, self.loss_config.temperature, False)
-        out = shard.forward_only(batch, _fitting_micro_batch(len(batch["input_ids"]), micro), loss_fn)
+        out = shard.forward_only(batch, _fitting_micro_batch(len(batch["input_ids"]), micro), loss_fn, max_tokens)
         return out["log_probs"].cpu()
+
+    def _budget(self, dynamic: bool, per_gpu: int) -> int | None:
+        """A pass's token budget per micro-batch with dynamic batch size (verl: x context parallel), else None."""
+        return per_gpu * self.cfg.layout.train.cp if dynamic else None
 
     def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int) -> tuple[list[dict[str, float]], RoutingRecord]:
         """PPO epochs over this DP rank's rows in mini-batches of ``mini_batch_rows``; with
@@ -226,7 +237,8 @@ class Worker:
         rows, width = batch["input_ids"].shape
         with self.routing.recording(rows, width, capture=False, replay=ROUTED_EXPERTS in batch, training=True) as out:
             steps = self.actor.update(batch, mini_batch_rows, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
-                                      partial(policy_loss_func, self.loss_config))
+                                      partial(policy_loss_func, self.loss_config),
+                                      self._budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu))
         return steps, out.record
 
     def weights_fingerprint(self) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """One GSPO and one GRPO update through megatron's forward_backward_func, DistributedOptimizer and
-the loss hook give the same new weights however the mini-batch is split: micro-batch 1 vs 4,
-DP1 vs DP2, PP1 vs PP2 (also interleaved, VPP2), EP1 vs EP2. Plus the steps that must not break the weights."""
+the loss hook give the same new weights however the mini-batch is split: micro-batch 1 vs 4 vs a
+token budget (dynamic batch size), DP1 vs DP2, PP1 vs PP2 (also interleaved, VPP2), EP1 vs EP2,
+TP2 with sequence parallel. Plus the steps that must not break the weights."""
 
 import math
 
@@ -44,7 +45,7 @@ def make_batch(checkpoint: str, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, batch, out_prefix, loss_names):
+def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_tokens, batch, out_prefix, loss_names):
     from functools import partial
 
     from megatron.core import parallel_state as ps
@@ -69,7 +70,7 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, batch,
         actor = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), optim, "cpu")
         actor.load_hf(checkpoint)
         before = {k: v.clone() for k, v in _named(actor).items()}
-        metrics = actor.train_step(mine, micro_batch_size, partial(policy_loss_func, LOSSES[name]))
+        metrics = actor.train_step(mine, micro_batch_size, partial(policy_loss_func, LOSSES[name]), max_tokens)
         slices = [(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(actor.chunks, spec)]
         torch.save(slices, f"{out_prefix}_{name}_rank{rank}.pt")
         after = _named(actor)
@@ -87,7 +88,7 @@ def assemble(prefix: str, name: str, world_size: int) -> dict[str, torch.Tensor]
     """Full HF tensors from every rank's slices; replicated slices must agree."""
     full: dict[str, torch.Tensor] = {}
     for rank in range(world_size):
-        for hf_name, rows, cols, tensor in torch.load(f"{prefix}_{name}_rank{rank}.pt"):
+        for hf_name, rows, cols, tensor in torch.load(f"{prefix}_{name}_rank{rank}.pt", weights_only=False):  # slices
             rows, cols = rows or slice(None), cols or slice(None)
             if hf_name not in full:
                 full[hf_name] = torch.full(_full_shape(hf_name), math.nan)
@@ -114,14 +115,19 @@ def setup(tmp_path_factory):
     return checkpoint, make_batch(checkpoint)
 
 
-SPLITS = {
-    "dp1_mb4": (1, {}, 4),
-    "dp1_mb1": (1, {}, 1),
-    "dp2_mb1": (2, {}, 1),
-    "pp2_mb1": (2, {"pp": 2}, 1),
+SPLITS = {  # name: (ranks, layout, micro-batch rows, token budget)
+    "dp1_mb4": (1, {}, 4, None),
+    "dp1_mb1": (1, {}, 1, None),
+    "dp2_mb1": (2, {}, 1, None),
+    "pp2_mb1": (2, {"pp": 2}, 1, None),
     # the interleaved schedule with PP 2: both p2p directions run between the same two ranks
-    "pp2_vpp2_mb2": (2, {"pp": 2, "vpp": 2}, 2),
-    "ep2_mb2": (2, {"ep": 2, "etp": 1}, 2),
+    "pp2_vpp2_mb2": (2, {"pp": 2, "vpp": 2}, 2, None),
+    "ep2_mb2": (2, {"ep": 2, "etp": 1}, 2, None),
+    # dynamic batch size: micro-batches of 1 to 4 rows, each padded to its own longest sequence
+    "dp1_tokens16": (1, {}, 1, 16),
+    "dp2_tokens12": (2, {}, 1, 12),
+    "ep2_tokens20": (2, {"ep": 2, "etp": 1}, 1, 20),
+    "tp2_sp_tokens16": (2, {"tp": 2, "sequence_parallel": True}, 1, 16),
 }
 
 
@@ -129,9 +135,10 @@ SPLITS = {
 def updates(setup, tmp_path_factory):
     checkpoint, batch = setup
     out = {}
-    for split, (world, train_kwargs, micro) in SPLITS.items():
+    for split, (world, train_kwargs, micro, max_tokens) in SPLITS.items():
         tmp = tmp_path_factory.mktemp(split)
-        results = run_ranks(_update, world, tmp, checkpoint, train_kwargs, micro, batch, str(tmp / "w"), list(LOSSES))
+        results = run_ranks(_update, world, tmp, checkpoint, train_kwargs, micro, max_tokens, batch, str(tmp / "w"),
+                            list(LOSSES))
         out[split] = (results, {name: assemble(str(tmp / "w"), name, world) for name in LOSSES})
     return out
 
@@ -235,3 +242,71 @@ def test_update_runs_ppo_epochs_over_mini_batches_on_the_lr_schedule(setup, tmp_
                        dict(lr=1e-3, min_lr=1e-4, lr_warmup_steps=1, lr_decay_style="cosine", lr_decay_steps=4))
     lrs = cos["lrs"]
     assert lrs[0] == pytest.approx(1e-3) and lrs[0] > lrs[1] > lrs[2] > lrs[3] >= 1e-4
+
+
+def test_token_budget_runs_group_sorted_rows_under_the_budget():
+    from megatron_bridge.runtime.actor import token_budget_runs
+
+    lengths = [11, 9, 9, 6, 5, 3, 2, 1]  # longest first
+    runs = token_budget_runs(lengths, max_tokens=20, multiple=1)
+    assert runs == [(0, 1), (1, 3), (3, 6), (6, 8)]
+    # each run's padded size (rows x its first length) fits, and the runs cover every row once
+    assert all((end - start) * lengths[start] <= 20 for start, end in runs)
+    # rounded up to a multiple of TP 2: 6 -> 6, 5 -> 6 fit three rows (18), 3 rows of 9 -> 10 do not
+    assert token_budget_runs(lengths, max_tokens=20, multiple=2) == [(0, 1), (1, 3), (3, 6), (6, 8)]
+    assert token_budget_runs(lengths, max_tokens=18, multiple=4) == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 8)]
+    # a multiple of PP micro-batches (the interleaved schedule), when there are rows enough: the
+    # runs with the most rows are halved
+    assert token_budget_runs([2] * 8, max_tokens=100, multiple=1, runs_multiple_of=2) == [(0, 4), (4, 8)]
+    assert token_budget_runs([2] * 8, max_tokens=100, multiple=1) == [(0, 8)]
+    assert token_budget_runs(lengths, max_tokens=20, multiple=1, runs_multiple_of=3) == [
+        (0, 1), (1, 2), (2, 3), (3, 5), (5, 6), (6, 8)]
+    assert token_budget_runs([5, 5], max_tokens=100, multiple=1, runs_multiple_of=4) == [(0, 1), (1, 2)]
+    with pytest.raises(ValueError, match="12 tokens .* at least 12"):
+        token_budget_runs([12, 3], max_tokens=10, multiple=4)
+
+
+def _log_probs(rank, world_size, checkpoint, batch, train_kwargs, micro_batch_size, max_tokens):
+    from functools import partial
+
+    from loss.megatron_hook import log_prob_func
+    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.plan.model_spec import load_model_spec
+
+    train = TrainParallel(**train_kwargs)
+    initialize_parallel(train)
+    actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=torch.float32),
+                          OptimConfig(lr=1e-3), "cpu")
+    actor.load_hf(checkpoint)
+    try:
+        shapes = [tuple(mb["input_ids"].shape) for mb in actor.micro_batches(batch, micro_batch_size, max_tokens)]
+        out = actor.forward_only(batch, micro_batch_size, partial(log_prob_func, 1.0, False), max_tokens)
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"shapes": shapes, "log_probs": out["log_probs"].tolist()}
+
+
+@pytest.mark.slow
+def test_forward_only_by_token_budget_returns_rows_in_batch_order(setup, tmp_path):
+    checkpoint, batch = setup
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "tokens").mkdir()
+    (fixed,) = run_ranks(_log_probs, 1, tmp_path / "rows", checkpoint, batch, {}, 4, None)
+    (budget,) = run_ranks(_log_probs, 1, tmp_path / "tokens", checkpoint, batch, {}, 1, 16)
+    fixed["shapes"], budget["shapes"] = [list(map(tuple, r["shapes"])) for r in (fixed, budget)]
+    assert len(set(fixed["shapes"])) == 1
+    assert len(budget["shapes"]) > len(fixed["shapes"]) and len({s[1] for s in budget["shapes"]}) > 1
+    padded = lambda shapes: sum(rows * length for rows, length in shapes)  # noqa: E731
+    assert padded(budget["shapes"]) < padded(fixed["shapes"])
+    mask = batch["response_mask"].bool()
+    got, want = torch.tensor(budget["log_probs"]), torch.tensor(fixed["log_probs"])
+    assert (want[mask] < 0).all()
+    torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_token_budget_with_pipeline_and_allgather_dispatcher_is_refused(setup, tmp_path):
+    checkpoint, batch = setup
+    results = run_ranks(_log_probs, 2, tmp_path, checkpoint, batch, {"pp": 2}, 1, 16)
+    assert all("pipeline_model_parallel_size=1" in r["error"] for r in results)

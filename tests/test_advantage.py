@@ -82,3 +82,65 @@ def test_token_advantages_broadcast_over_the_response_mask():
 def test_token_advantages_shape_mismatch():
     with pytest.raises(ValueError, match=r"advantages \(3,\) must be \[B\].*\(2, 5\)"):
         token_advantages(torch.zeros(3), torch.ones(2, 5))
+
+
+# --- KL in the reward (verl's apply_kl_penalty) and DAPO's group filter ----------------------------
+
+
+def test_fixed_and_adaptive_kl_controllers_by_hand():
+    from recipe.advantage import KLController
+
+    fixed = KLController("fixed", 0.1, target_kl=0.05, horizon=100)
+    fixed.update(kl=1.0, n=10)
+    assert fixed.value == 0.1
+    adaptive = KLController("adaptive", 0.1, target_kl=0.05, horizon=100)
+    adaptive.update(kl=0.06, n=10)  # error = 0.06 / 0.05 - 1 = 0.2 -> beta *= 1 + 0.2 * 10 / 100
+    assert adaptive.value == pytest.approx(0.1 * 1.02)
+    adaptive.update(kl=1.0, n=10)  # the error is clipped to 0.2
+    assert adaptive.value == pytest.approx(0.1 * 1.02 * 1.02)
+    adaptive.update(kl=0.0, n=50)  # -1 clipped to -0.2
+    assert adaptive.value == pytest.approx(0.1 * 1.02 * 1.02 * 0.9)
+    with pytest.raises(ValueError, match="fixed or adaptive"):
+        KLController("pid", 0.1, 0.05, 100)
+
+
+def test_kl_in_reward_by_hand():
+    from recipe.advantage import KLController, kl_in_reward
+
+    scores = torch.tensor([1.0, -1.0])
+    log_probs = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, 9.0], [-0.5, 0.0, 0.0]])  # padding may hold anything
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    controller = KLController("adaptive", 0.5, target_kl=0.1, horizon=10)
+    rewards, metrics = kl_in_reward(scores, log_probs, ref, mask, controller, "kl")
+    # k1 = log_prob - ref: row 0: 0.5 - 1.0 = -0.5 summed; row 1: 0
+    assert rewards.tolist() == pytest.approx([1.0 - 0.5 * -0.5, -1.0])
+    # mean over sequences of the per-token mean: (-0.25 + 0) / 2
+    assert metrics == {"actor/reward_kl_penalty": pytest.approx(-0.125), "actor/reward_kl_penalty_coeff": 0.5}
+    assert controller.value == pytest.approx(0.5 * (1 - 0.2 * 2 / 10))  # beta before this step was used
+
+
+def test_varying_groups_keeps_groups_that_differ_or_have_one_sample():
+    from recipe.advantage import varying_groups
+
+    values = torch.tensor([1.0, 1.0, 1.0, 0.0, 5.0, -1.0, -1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 3, 3])
+    assert varying_groups(values, groups).tolist() == [False, True, True, False]
+
+
+def test_run_length_and_warmup_from_ratio():
+    import dataclasses
+
+    from recipe.config import load_config
+    from recipe.trainer import run_length, with_warmup_from_ratio
+
+    assert run_length(10, None, 7) == 10
+    assert run_length(None, 3, 7) == 21
+    assert run_length(100, 2, 7) == 14  # whichever ends sooner, as verl
+    cfg = load_config("configs/recipe/tiny_stability.yaml", ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1"])
+    # 16 prompts / mini-batches of 4 = 4 optimizer steps per RL step; 40 steps -> 160; 10 % of that
+    assert with_warmup_from_ratio(cfg, 40).actor_rollout_ref.actor.optim.lr_warmup_steps == 16
+    explicit = dataclasses.replace(cfg.actor_rollout_ref.actor.optim, lr_warmup_steps=3)
+    pinned = dataclasses.replace(cfg, actor_rollout_ref=dataclasses.replace(
+        cfg.actor_rollout_ref, actor=dataclasses.replace(cfg.actor_rollout_ref.actor, optim=explicit)))
+    assert with_warmup_from_ratio(pinned, 40) is pinned  # lr_warmup_steps given: the ratio is not used

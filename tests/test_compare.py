@@ -41,19 +41,20 @@ def test_runs_share_seeds_and_keep_the_variant_last(tmp_path):
 
 def test_a_run_is_finished_when_its_last_step_is_logged(tmp_path):
     (run,) = plan_runs(str(tmp_path), ["grpo"], [1], [])
-    assert not finished(run, 3)
+    assert not finished(run)
     Path(run.directory).mkdir(parents=True)
     (Path(run.directory) / VARIANT_FILE).write_text(json.dumps({"overrides": list(run.overrides)}))
+    (Path(run.directory) / "provenance.json").write_text(json.dumps({"total_steps": 3}))  # the trainer's, at start
     metrics = Path(run.directory) / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "critic/score/mean": 0.0}) + "\n" for s in (0, 1, 2)))
-    assert not finished(run, 3)
+    assert not finished(run)
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 3, "critic/score/mean": 0.0}) + "\n")
-    assert finished(run, 3)
+    assert finished(run)
     # the same directory asked to hold other settings: refused, nothing overwritten
     (other,) = plan_runs(str(tmp_path), ["grpo"], [1], ["actor_rollout_ref.actor.optim.lr=1e-4"])
     with pytest.raises(ConfigError, match="holds a run with other settings"):
-        finished(other, 3)
+        finished(other)
 
 
 def _compare(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -134,7 +134,7 @@ def test_cli_check_exit_codes():
     assert ok.returncode == 0 and "VALID" in ok.stdout and "HCCL_BUFFSIZE: 320 MB" in ok.stdout
     bad = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "configs/parallel/qwen3_30b_a3b_4x8_a2.yaml",
                "--nnodes", "2", "--devices-per-node", "8")
-    assert bad.returncode == 1 and "rollout.tp_dp_equals_world" in bad.stdout
+    assert bad.returncode == 1 and "rollout.moe_pure_ep_or_tp" in bad.stdout
     assert _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "nope.yaml").returncode == 2
     assert _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "tiny_cpu", "--nnodes", "0").returncode == 2
     assert _cli("check", "--help").returncode == 0 and _cli("search", "--help").returncode == 0

@@ -45,10 +45,11 @@ def test_tp8_rejected_for_qwen3_30b_with_the_message_users_need():
 def test_seed_layout_valid_on_4x8_and_rejected_on_2x8():
     seeds = load_layout("qwen3_30b_a3b_4x8_a2")
     assert (seeds.train.tp, seeds.train.pp, seeds.train.ep, seeds.train.expert_tp) == (4, 4, 8, 1)
-    assert (seeds.rollout.tp, seeds.rollout.dp) == (4, 8)
+    assert (seeds.rollout.tp, seeds.rollout.dp) == (4, 8)  # DP derived from the 32 devices
     assert validate(Q30, seeds, 4096) == []
     found = rules(Q30, seeds.with_cluster(nnodes=2, devices_per_node=8))
-    assert "rollout TP*DP = 4*8 = 32 must equal the world size 16" in found["rollout.tp_dp_equals_world"]
+    assert "rollout.tp_dp_equals_world" not in found  # DP follows the world: 16 / 4
+    assert "pure EP (EP = TP*DP = 16)" in found["rollout.moe_pure_ep_or_tp"]
     assert "ETP*EP*PP = 1*8*4 = 32" in found["train.world_divisible_by_etp_ep_pp"]
 
 
@@ -100,6 +101,41 @@ def test_vpp_rules_and_chunk_split():
     found = rules(Q30, make(uneven, nnodes=4))
     assert "num_layers_in_first_pipeline_stage=11 must be divisible" in found["train.uneven_pp_vpp"]
     assert layers_per_chunk(48, replace(uneven, first_stage_layers=10, last_stage_layers=14)) == [[5, 5], [6, 6], [6, 6], [7, 7]]
+
+
+def test_uneven_first_and_last_need_a_middle_stage():
+    # megatron-core 0.12.1 raised ZeroDivisionError in TransformerConfig for this layout
+    both = TrainParallel(pp=2, first_stage_layers=1, last_stage_layers=3)
+    found = rules(TINY, make(both, devices=2, device="cpu"), seq_len=16)
+    assert found["train.uneven_pp_needs_middle_stage"].endswith("set only one of them, or PP >= 3")
+    assert validate(TINY, make(replace(both, last_stage_layers=None), devices=2, device="cpu"), 16) == []
+
+
+def test_interleaved_uneven_last_stage_needs_the_first():
+    # megatron-core 0.12.1 built layers 0 and 2 on both pipeline ranks: wrong log-probs, no error
+    last = TrainParallel(pp=2, vpp=2, last_stage_layers=2)
+    msg = rules(TINY, make(last, devices=2, device="cpu"), seq_len=16)["train.uneven_pp_vpp_last_needs_first"]
+    assert msg.endswith("use num_layers_in_first_pipeline_stage: 2 instead (the same split)")
+    first = replace(last, first_stage_layers=2, last_stage_layers=None)
+    assert validate(TINY, make(first, devices=2, device="cpu"), 16) == []
+    pp4 = TrainParallel(pp=4, vpp=2, ep=8, etp=1, last_stage_layers=12)
+    msg = rules(Q30, make(pp4, nnodes=4))["train.uneven_pp_vpp_last_needs_first"]
+    assert msg.endswith("set num_layers_in_first_pipeline_stage: 12 too (the same split)")
+    assert validate(Q30, make(replace(pp4, first_stage_layers=12), nnodes=4), 4096) == []
+    assert layers_per_chunk(48, replace(pp4, first_stage_layers=12)) == [[6, 6]] * 4
+
+
+def test_etp_must_equal_tp_without_expert_parallel():
+    # issue 16: TP2 ETP1 EP1 was accepted and failed in megatron-core's first forward
+    tp2 = TrainParallel(tp=2, etp=1, sequence_parallel=True)
+    msg = rules(TINY, make(tp2, devices=2, device="cpu"), seq_len=16)["train.etp_equals_tp_without_ep"]
+    assert "ETP must equal TP (2)" in msg and "'First dimension of the tensor should be divisible" in msg
+    assert msg.endswith("set expert_tensor_parallel_size: 2, or keep ETP=1 with expert_model_parallel_size in: 2")
+    # ETP above TP runs but reduces the expert gradients over the wrong group; no EP fits 2 devices
+    msg = rules(TINY, make(TrainParallel(etp=2), devices=2, device="cpu"), seq_len=16)["train.etp_equals_tp_without_ep"]
+    assert "First dimension" not in msg and msg.endswith("set expert_tensor_parallel_size: 1")
+    with_ep = TrainParallel(tp=2, ep=2, etp=1, sequence_parallel=True)
+    assert validate(TINY, make(with_ep, devices=4, device="cpu"), 16) == []
 
 
 def test_uneven_pp_needs_pp():

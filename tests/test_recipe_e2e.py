@@ -240,13 +240,57 @@ def test_reward_function_error_names_the_sample(tmp_path, local_ray):
         trainer.close()
 
 
-def test_dp_rows_keep_each_mini_batch_whole():
+def _dp_rows(dp_size: int, dynamic: bool, ends: list[int], mini: int) -> list[list[int]]:
     from recipe.trainer import Trainer
 
     t = Trainer.__new__(Trainer)
-    t.dp_size = 2
-    shares = t.dp_rows(8, 4)
-    assert [s.tolist() for s in shares] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    t.dp_size = 1
-    assert [s.tolist() for s in t.dp_rows(8, 4)] == [list(range(8))]
-    assert torch.equal(torch.cat(shares).sort().values, torch.arange(8))
+    t.dp_size, t.dynamic_batches = dp_size, dynamic
+    batch = {"input_ids": torch.zeros(len(ends), 1), "prompt_lengths": torch.tensor(ends) - 1,
+             "response_mask": torch.ones(len(ends), 1)}
+    return [s.tolist() for s in t.dp_rows(batch, mini)]
+
+
+def test_dp_rows_keep_each_mini_batch_whole():
+    ends = [5, 9, 2, 7, 3, 8, 4, 6]
+    assert _dp_rows(2, False, ends, 4) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert _dp_rows(1, False, ends, 4) == [list(range(8))]
+    # dynamic batch size: longest first, dealt in snake order within each mini-batch
+    # mini-batch 0 (rows 0-3) by length: 1 (9), 3 (7), 0 (5), 2 (2); mini-batch 1: 5 (8), 7 (6), 6 (4), 4 (3)
+    assert _dp_rows(2, True, ends, 4) == [[1, 2, 5, 4], [3, 0, 7, 6]]
+    assert _dp_rows(1, True, ends, 4) == [[1, 3, 0, 2, 5, 7, 6, 4]]
+    for dynamic in (False, True):  # every row once, each mini-batch whole
+        first, second = _dp_rows(2, dynamic, ends, 4)
+        assert sorted(first[:2] + second[:2]) == [0, 1, 2, 3] and sorted(first + second) == list(range(8))
+
+
+# --- verl's reward shaping: DAPO dynamic sampling and the KL penalty in the reward ---------------
+
+
+@pytest.mark.slow
+def test_dapo_dynamic_sampling_and_kl_in_reward(tmp_path):
+    out = run_main(["--config", TINY["grpo"], f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
+                    "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.val_before_train=false",
+                    "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=8",
+                    "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    history = metrics(tmp_path)
+    for step in (1, 2):
+        m = history[step]
+        # 16 prompts whose 8 answers are not all right or all wrong, from batches of 8 prompts
+        assert m["train/num_gen_batches"] >= 2 and m["critic/acc/mean"] not in (0.0, 1.0)
+        assert m["actor/reward_kl_penalty_coeff"] == 0.05
+    # step 1: the actor is the reference, no penalty; step 2: it moved
+    assert history[1]["actor/reward_kl_penalty"] == 0.0 and history[1]["critic/rewards/mean"] == history[1]["critic/score/mean"]
+    assert history[2]["actor/reward_kl_penalty"] != 0.0
+
+
+@pytest.mark.slow
+def test_dapo_gives_up_after_max_num_gen_batches(tmp_path):
+    reward = tmp_path / "flat.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    out = run_main(["--config", TINY["grpo"], f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.val_before_train=false",
+                    f"custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
+                    "algorithm.filter_groups.metric=score", "algorithm.filter_groups.max_num_gen_batches=2"])
+    assert out.returncode == 1
+    assert "after 2 generation batches only 0 of 16 prompts" in out.stderr and "max_num_gen_batches=2" in out.stderr
+    assert "Traceback" not in out.stderr

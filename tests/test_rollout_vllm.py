@@ -51,7 +51,7 @@ def hub_tensors(tiny_dir):
 
 
 def test_engine_args_default_layout(tiny_dir):
-    args = vs.engine_args(tiny_dir, RolloutParallel())
+    args = vs.engine_args(tiny_dir, RolloutParallel(dp=1))
     assert args == {
         "model": tiny_dir,
         "distributed_executor_backend": "external_launcher",
@@ -115,7 +115,7 @@ def test_rollout_must_cover_the_world_and_be_positive():
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.data_parallel_size=0 must be a positive integer"):
         vs.check_rollout_parallel(RolloutParallel(dp=0))
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1\.5 must be in \(0, 1\)"):
-        vs.check_rollout_parallel(RolloutParallel(gpu_memory_utilization=1.5))
+        vs.check_rollout_parallel(RolloutParallel(dp=1, gpu_memory_utilization=1.5))
 
 
 # -- environment --------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_tokenizer_init_is_skipped_only_without_tokenizer_files(tiny_dir, tmp_pa
     assert vs.has_tokenizer(tiny_dir) is False  # the tiny checkpoint has config and weights only
     (tmp_path / "tokenizer_config.json").write_text("{}")
     assert vs.has_tokenizer(str(tmp_path)) is True
-    assert vs.engine_args("/m", RolloutParallel(), skip_tokenizer_init=False)["skip_tokenizer_init"] is False
+    assert vs.engine_args("/m", RolloutParallel(dp=1), skip_tokenizer_init=False)["skip_tokenizer_init"] is False
 
 
 def test_model_eos_ids_and_prompt_checks(tiny_dir):
@@ -460,7 +460,7 @@ def test_importing_the_module_does_not_import_vllm():
 def test_missing_vllm_names_the_install_command(tiny_dir, platform, command):
     before = dict(os.environ)
     with pytest.raises(ImportError) as err:
-        ve.VLLMEngine(tiny_dir, RolloutParallel(), platform=platform)
+        ve.VLLMEngine(tiny_dir, RolloutParallel(dp=1), platform=platform)
     assert isinstance(err.value, vs.VLLMNotInstalledError)
     assert f"VLLMEngine on {platform} needs vllm" in str(err.value) and command in str(err.value)
     assert dict(os.environ) == before  # nothing set before the check
@@ -468,7 +468,7 @@ def test_missing_vllm_names_the_install_command(tiny_dir, platform, command):
 
 def test_cpu_platform_points_to_the_hf_engine(tiny_dir):
     with pytest.raises(ValueError, match=r"runs on cuda or npu, not 'cpu'; on the CPU use recipe\.rollout\.hf_engine\.HFEngine"):
-        ve.VLLMEngine(tiny_dir, RolloutParallel(), platform="cpu")
+        ve.VLLMEngine(tiny_dir, RolloutParallel(dp=1), platform="cpu")
 
 
 # -- a real engine (vLLM on a GPU, vLLM-Ascend on an NPU) ----------------------------------------
@@ -490,7 +490,7 @@ def engine(request, tiny_dir):
     device.set_device(0)
     dist.init_process_group("hccl" if request.param == "npu" else "nccl")
     engine = ve.VLLMEngine(
-        tiny_dir, RolloutParallel(gpu_memory_utilization=0.3, max_num_seqs=8), platform=request.param,
+        tiny_dir, RolloutParallel(dp=1, gpu_memory_utilization=0.3, max_num_seqs=8), platform=request.param,
         dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
     )
     yield engine

@@ -166,8 +166,8 @@ def pipeline_options(num_layers: int, pp: int) -> list[dict]:
         return []
     per = -(-num_layers // pp)
     rest = num_layers - (pp - 2) * per
-    if pp == 2:
-        return [{"first_stage_layers": num_layers - per, "last_stage_layers": per}]
+    if pp == 2:  # megatron-core 0.12.1 needs a middle stage when both ends are set
+        return [{"first_stage_layers": num_layers - per}]
     last = min(per, rest - 1)
     first = rest - last
     return [{"first_stage_layers": first, "last_stage_layers": last}] if first >= 1 else []

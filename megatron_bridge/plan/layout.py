@@ -63,7 +63,7 @@ class RolloutParallel:
     parallel on, EP = TP x DP; off, experts are tensor-sharded over TP x DP."""
 
     tp: int = 1
-    dp: int = 1
+    dp: int | None = None  # None: world size / TP (colocated: every training device is a rollout rank), as verl derives it
     ep: int = 1
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 1024  # sequences per engine step; sizes the MC2 buffer
@@ -88,10 +88,18 @@ class Layout:
     train: TrainParallel = field(default_factory=TrainParallel)
     rollout: RolloutParallel = field(default_factory=RolloutParallel)
     cluster: Cluster = field(default_factory=Cluster)
+    _rollout_dp_derived: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rollout.dp is None:  # derived from the world size; a TP that does not divide it fails validation
+            dp = max(1, self.cluster.world_size // self.rollout.tp)
+            object.__setattr__(self, "rollout", replace(self.rollout, dp=dp))
+            object.__setattr__(self, "_rollout_dp_derived", True)
 
     def with_cluster(self, **overrides: Any) -> "Layout":
         given = {k: v for k, v in overrides.items() if v is not None}
-        return replace(self, cluster=replace(self.cluster, **given))
+        rollout = replace(self.rollout, dp=None) if self._rollout_dp_derived else self.rollout
+        return replace(self, cluster=replace(self.cluster, **given), rollout=rollout)
 
 
 # YAML key -> dataclass field, per section. verl's names where verl has the setting.

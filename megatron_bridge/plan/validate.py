@@ -142,6 +142,23 @@ def experts(c: Context):
             f"expert_tensor_parallel_size={t.expert_tp}: moe_intermediate_size ({s.moe_ffn_hidden_size}) must be "
             f"divisible by it; valid ETP: {_choices(divisors(s.moe_ffn_hidden_size)[:8])}",
         )
+    if t.ep == 1 and t.expert_tp != t.tp:
+        # megatron-core 0.12.1, tensor_parallel/layers.py (Column/RowParallelLinear.__init__): an
+        # expert linear takes the expert path (explicit_expert_comm, weights marked allreduce=False,
+        # which DistributedDataParallel reduces over the expert data-parallel group) only with EP > 1
+        # or ETP > 1; RowParallelLinear.forward otherwise reduce-scatters over the TP group.
+        w = c.layout.cluster.world_size
+        valid_ep = [e for e in divisors(s.num_experts) if e > 1 and w % (t.expert_tp * e * t.pp) == 0]
+        crash = (" and the first forward fails ('First dimension of the tensor should be divisible by tensor "
+                 "parallel size': the expert output is reduce-scattered over the TP group)") if t.expert_tp == 1 else ""
+        keep = f", or keep ETP={t.expert_tp} with expert_model_parallel_size in: {_choices(valid_ep)}" if valid_ep else ""
+        yield Violation(
+            "train.etp_equals_tp_without_ep",
+            f"expert_tensor_parallel_size={t.expert_tp} with expert_model_parallel_size=1: megatron-core 0.12.1 "
+            f"treats the experts as dense layers when EP=1, so ETP must equal TP ({t.tp}); otherwise their "
+            f"gradients are reduced over the dense data-parallel group, not the expert one (a wrong update){crash}; "
+            f"set expert_tensor_parallel_size: {t.tp}{keep}",
+        )
 
 
 # ---- training: pipeline --------------------------------------------------------------------
@@ -200,11 +217,22 @@ def pipeline_layers(c: Context):
                 f"num_layers_in_{name}_pipeline_stage={value} must be divisible by "
                 f"virtual_pipeline_model_parallel_size={vpp}",
             )
-    if middle < 0 or (middle_stages == 0 and middle != 0) or (middle_stages and (middle % middle_stages or middle == 0)):
+    if middle_stages == 0:
+        # megatron-core 0.12.1 TransformerConfig.__post_init__ takes `layers % (PP - 2)` for the
+        # stages between first and last: ZeroDivisionError when there are none.
+        yield Violation(
+            "train.uneven_pp_needs_middle_stage",
+            f"num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage are both set with "
+            f"pipeline_model_parallel_size={t.pp}: megatron-core 0.12.1 needs at least one stage between them "
+            f"(it divides the other layers by PP-2 = 0 stages); set only one of them, or PP >= 3",
+        )
+        return
+    if middle <= 0 or middle % middle_stages:
         options = []
+        stages = t.pp - 1 - (t.last_stage_layers is not None)  # middle stages once the first is set
         for f in range(1, n):
-            rest = n - f - (last if t.last_stage_layers is not None else 0)
-            if middle_stages and rest > 0 and rest % middle_stages == 0 and f % vpp == 0 and (rest // middle_stages) % vpp == 0:
+            rest = n - f - last
+            if stages and rest > 0 and rest % stages == 0 and f % vpp == 0 and (rest // stages) % vpp == 0:
                 options.append(f)
         yield Violation(
             "train.uneven_pp_layers",
@@ -212,12 +240,36 @@ def pipeline_layers(c: Context):
             f"at least one layer each, over the {middle_stages} middle stage(s) of PP={t.pp}; with this last-stage "
             f"value valid first-stage values: {_choices(options[:12])}",
         )
-    elif middle_stages and (middle // middle_stages) % vpp:
+    elif (middle // middle_stages) % vpp:
         yield Violation(
             "train.uneven_pp_vpp",
             f"layers per middle pipeline rank ({middle // middle_stages}) must be divisible by "
             f"virtual_pipeline_model_parallel_size={vpp}",
         )
+
+
+@rule
+def interleaved_last_stage(c: Context):
+    t, n = c.layout.train, c.spec.num_layers
+    if not (t.vpp and t.pp > 1 and t.last_stage_layers is not None and t.first_stage_layers is None):
+        return
+    # megatron-core 0.12.1 transformer_layer.py get_transformer_layer_offset, interleaved uneven
+    # branch: ranks > 0 are offset by (pipeline_rank - 1) middle stages even when rank 0 is a
+    # middle stage itself (no uneven first stage).
+    rest = n - t.last_stage_layers
+    if t.pp == 2:
+        fix = f"use num_layers_in_first_pipeline_stage: {rest} instead (the same split)"
+    elif rest > 0 and rest % (t.pp - 1) == 0:
+        fix = f"set num_layers_in_first_pipeline_stage: {rest // (t.pp - 1)} too (the same split)"
+    else:
+        fix = "set num_layers_in_first_pipeline_stage too"
+    yield Violation(
+        "train.uneven_pp_vpp_last_needs_first",
+        f"num_layers_in_last_pipeline_stage={t.last_stage_layers} with virtual_pipeline_model_parallel_size={t.vpp} "
+        "and no num_layers_in_first_pipeline_stage: megatron-core 0.12.1 then numbers the layers of pipeline ranks "
+        "> 0 as if rank 0 were an uneven first stage, so two ranks build the same layers and others are never "
+        f"built (wrong log-probs, no error); {fix}",
+    )
 
 
 # ---- training: context parallel, recompute -------------------------------------------------
@@ -321,7 +373,8 @@ def rollout(c: Context):
         yield Violation(
             "rollout.moe_pure_ep_or_tp",
             f"rollout expert_parallel_size={r.ep}: vLLM{'-Ascend' if c.layout.cluster.device == 'npu' else ''} runs MoE "
-            f"with pure EP (EP = TP*DP = {r.tp * r.dp}) or pure TP (EP = 1), never mixed",
+            f"with pure EP (EP = TP*DP = {r.tp * r.dp}) or pure TP (EP = 1), never mixed; set rollout "
+            f"expert_parallel_size: {r.tp * r.dp} (or 1)",
         )
     elif s.num_experts % r.ep:
         yield Violation(
@@ -354,7 +407,4 @@ def notes(spec: ModelSpec, layout: Layout) -> list[str]:
             f"rollout TP={r.tp} > {kv} KV heads: vLLM replicates each KV head {r.tp // kv}x; the KV cache per "
             f"device is no smaller than at TP={kv}"
         )
-    t = layout.train
-    if t.ep == 1 and t.expert_tp != t.tp:
-        out.append("EP=1 with ETP != TP: expert gradients are reduced with the dense parameters (megatron-core 0.12.1)")
     return out

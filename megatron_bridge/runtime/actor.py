@@ -83,6 +83,24 @@ def split_rows(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torc
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
+def dp_shares(rows: int, mini_batch_rows: int, dp_size: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Row indices of each DP rank: each global mini-batch is dealt out whole, so mini-batch m
+    holds the same rows whatever the DP size (DP-invariant update). Rank d takes the d-th slice;
+    given the rows' ``lengths`` (dynamic batch size) they go longest first in snake order (0..D-1,
+    D-1..0, ...), so every rank gets as many long rows and cuts into similar micro-batches."""
+    per_rank = mini_batch_rows // dp_size
+    index = torch.arange(rows).reshape(rows // mini_batch_rows, dp_size, per_rank)
+    if lengths is not None:
+        longest_first = torch.argsort(lengths.reshape(-1, mini_batch_rows), dim=1, descending=True, stable=True)
+        backwards = torch.arange(per_rank)[:, None] % 2 == 1  # odd rounds deal backwards
+        ranks = torch.where(backwards, torch.arange(dp_size).flip(0), torch.arange(dp_size))  # [round, D]
+        slots = (ranks * per_rank + torch.arange(per_rank)[:, None]).reshape(-1)  # deal p -> slot in a mini-batch
+        index = torch.empty_like(index).view(-1, mini_batch_rows)
+        index[:, slots] = longest_first + torch.arange(0, rows, mini_batch_rows)[:, None]
+        index = index.view(rows // mini_batch_rows, dp_size, per_rank)
+    return [index[:, d].reshape(-1) for d in range(dp_size)]
+
+
 def response_ends(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per row: prompt length + index past the last valid response token."""
     mask = batch["response_mask"].bool()
@@ -197,29 +215,46 @@ class MegatronActor:
 
     # --- passes ----------------------------------------------------------------------------
 
-    def _micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> tuple[list, int]:
-        """Micro-batches padded to one length: the longest sequence of any rank, rounded up to a
-        multiple of TP (sequence parallel splits it). One length everywhere is what the pipeline's
-        fixed p2p shapes and the allgather dispatcher's equal-size gathers need."""
+    def micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
+                       max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """The batch's rows as micro-batches, each padded to one length rounded up to a multiple of
+        TP (sequence parallel splits it): ``micro_batch_size`` rows each, all padded to the
+        longest sequence; or, with a token budget ``max_tokens``, rows of similar length together,
+        each micro-batch padded to its own longest (``token_budget_runs``). Every rank cuts alike
+        (the lengths are maxed over all ranks first): a micro-batch must have the same shape on
+        every rank for the allgather dispatcher's equal-size gathers and the pipeline's p2p."""
         self._require_on_device()
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        length = response_ends(batch).max().clamp(min=1).reshape(1)
-        torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
-        seq_len = math.ceil(int(length) / self.train.tp) * self.train.tp
-        ids = batch["input_ids"][:, :seq_len]
-        if ids.shape[1] < seq_len:
-            ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]))
-        positions = torch.arange(seq_len, device=self.device).expand_as(ids)
-        rows = torch.arange(len(ids), device=self.device)
-        padded = {**batch, "input_ids": ids, "position_ids": positions, ROW_INDEX: rows}
-        return split_rows(padded, micro_batch_size), seq_len
+        ends = response_ends(batch).clamp(min=1)
+        multiple = self.train.tp
+        if max_tokens is None:
+            length = ends.max().reshape(1)
+            torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
+            rows = torch.arange(len(ends), device=self.device)
+            groups = [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+            if len(rows) % micro_batch_size:
+                raise ValueError(f"{len(rows)} rows do not split into batches of {micro_batch_size}")
+            lengths = [int(length)] * len(groups)
+        else:
+            if self.train.pp > 1 and not self.config.variable_seq_lengths:
+                raise ValueError("a token budget cuts micro-batches of different lengths, which the pipeline's p2p "
+                                 "cannot send with this MoE dispatcher (megatron's variable_seq_lengths is off for "
+                                 "allgather): use pipeline_model_parallel_size=1 or micro-batches by rows")
+            order = torch.argsort(ends, descending=True, stable=True)
+            longest = ends[order]
+            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+            # the interleaved schedule takes micro-batches in groups of PP
+            runs = token_budget_runs(longest.tolist(), max_tokens, multiple, self.train.pp if self.train.vpp else 1)
+            groups = [order[start:end] for start, end in runs]
+            lengths = [int(longest[start]) for start, _ in runs]
+        return [_padded(batch, rows, math.ceil(length / multiple) * multiple) for rows, length in zip(groups, lengths)]
 
-    def _run(self, micro_batches: list, seq_len: int, loss_fn: Callable, forward_only: bool) -> list:
+    def _run(self, micro_batches: list, loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
-            with self.forward_context(mb, seq_len):
+            with self.forward_context(mb, mb["input_ids"].shape[1]):
                 output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
             return output, partial(loss_fn, mb)
 
@@ -229,31 +264,38 @@ class MegatronActor:
             data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
             num_microbatches=len(micro_batches),
-            seq_length=seq_len,
+            # the p2p shapes; micro-batches of other lengths need config.variable_seq_lengths
+            seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
             micro_batch_size=len(micro_batches[0]["input_ids"]),
             forward_only=forward_only,
         )
 
-    def forward_only(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
-                     loss_fn: Callable) -> dict[str, torch.Tensor]:
+    def forward_only(self, batch: dict[str, torch.Tensor], micro_batch_size: int, loss_fn: Callable,
+                     max_tokens: int | None = None) -> dict[str, torch.Tensor]:
         """Run the model without gradients; ``loss_fn(micro_batch, output)`` returns (loss, dict of
         [b, ...] tensors), e.g. ``partial(loss.megatron_hook.log_prob_func, temperature, False)``.
-        Returns the tensors concatenated over micro-batches, on every rank (sent from the last
-        pipeline stage)."""
+        Micro-batches of ``micro_batch_size`` rows, or by the token budget ``max_tokens``
+        (``micro_batches``). Returns the tensors in the batch's row order, on every rank (sent
+        from the last pipeline stage)."""
         from megatron.core import parallel_state as ps
 
         for chunk in self.chunks:
             chunk.eval()
-        micro_batches, seq_len = self._micro_batches(batch, micro_batch_size)
+        micro_batches = self.micro_batches(batch, micro_batch_size, max_tokens)
         with torch.no_grad():
-            outputs = self._run(micro_batches, seq_len, loss_fn, forward_only=True)
+            outputs = self._run(micro_batches, loss_fn, forward_only=True)
         for chunk in self.chunks:
             chunk.train()
-        result = {k: torch.cat([o[k] for o in outputs]) for k in outputs[0]} if outputs else {}
+        result = {}
+        if outputs:  # the last stage's, in micro-batch order: back to row order
+            order = torch.argsort(torch.cat([mb[ROW_INDEX] for mb in micro_batches]))
+            result = {k: torch.cat([o[k] for o in outputs])[order] for k in outputs[0]}
         return _from_last_stage(result, self.device) if ps.get_pipeline_model_parallel_world_size() > 1 else result
 
-    def train_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int, loss_fn: Callable) -> dict[str, float]:
-        """One optimizer step on ``batch`` (this DP rank's share of one mini-batch).
+    def train_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int, loss_fn: Callable,
+                   max_tokens: int | None = None) -> dict[str, float]:
+        """One optimizer step on ``batch`` (this DP rank's share of one mini-batch), in micro-batches
+        of ``micro_batch_size`` rows or by the token budget ``max_tokens``.
 
         ``loss_fn(norm, micro_batch, output)`` returns (loss, metrics), e.g.
         ``partial(loss.megatron_hook.policy_loss_func, cfg)``; its metrics (0-dim tensors) must
@@ -264,7 +306,7 @@ class MegatronActor:
 
         if self.optimizer is None:
             raise RuntimeError("no optimizer: load weights with load_hf() (or build with an OptimConfig) first")
-        micro_batches, seq_len = self._micro_batches(batch, micro_batch_size)
+        micro_batches = self.micro_batches(batch, micro_batch_size, max_tokens)
         mask = batch["response_mask"].bool()
         counts = torch.tensor([mask.sum(), mask.any(dim=1).sum()], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
@@ -273,7 +315,7 @@ class MegatronActor:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro_batches, seq_len, partial(loss_fn, norm), forward_only=False)
+        outputs = self._run(micro_batches, partial(loss_fn, norm), forward_only=False)
         metrics = _sum_metrics(outputs)
         metrics = _from_last_stage(metrics, self.device) if ps.get_pipeline_model_parallel_world_size() > 1 else metrics
         # One all-reduce for all metrics: each is a sum over DP ranks.
@@ -303,14 +345,53 @@ class MegatronActor:
         return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": 0.0}
 
     def update(self, batch: dict[str, torch.Tensor], mini_batch_size: int, micro_batch_size: int, epochs: int,
-               loss_fn: Callable) -> list[dict[str, float]]:
+               loss_fn: Callable, max_tokens: int | None = None) -> list[dict[str, float]]:
         """PPO epochs over mini-batches of ``mini_batch_size`` rows (this DP rank's share): one
         optimizer step each. Returns the metrics of every step."""
         return [
-            self.train_step(mini, micro_batch_size, loss_fn)
+            self.train_step(mini, micro_batch_size, loss_fn, max_tokens)
             for _ in range(epochs)
             for mini in split_rows(batch, mini_batch_size)
         ]
+
+
+def token_budget_runs(lengths: list[int], max_tokens: int, multiple: int, runs_multiple_of: int = 1) -> list[tuple[int, int]]:
+    """Micro-batches by token budget: [start, end) runs of ``lengths`` (sorted longest first), each
+    as long as its padded size (rows x its first length rounded up to ``multiple``) fits
+    ``max_tokens``. Sorted rows put similar lengths together, so each micro-batch pads little.
+    The number of runs is made a multiple of ``runs_multiple_of`` when there are rows enough, by
+    halving the runs with the most rows (megatron-core 0.12.1's interleaved schedule takes the
+    micro-batches in groups of PP and refuses a partial last group)."""
+    def padded(n: int) -> int:
+        return math.ceil(n / multiple) * multiple
+
+    if padded(lengths[0]) > max_tokens:
+        raise ValueError(f"a sequence of {lengths[0]} tokens (padded to {padded(lengths[0])}) does not fit the token "
+                         f"budget of {max_tokens}; raise the budget (ppo_max_token_len_per_gpu / "
+                         f"log_prob_max_token_len_per_gpu) to at least {padded(lengths[0])}")
+    runs, start = [], 0
+    while start < len(lengths):
+        end = start + 1
+        while end < len(lengths) and (end - start + 1) * padded(lengths[start]) <= max_tokens:
+            end += 1
+        runs.append((start, end))
+        start = end
+    while len(runs) % runs_multiple_of and len(runs) < len(lengths):
+        i = max(range(len(runs)), key=lambda r: runs[r][1] - runs[r][0])  # the first of the largest
+        start, end = runs[i]
+        middle = (start + end + 1) // 2
+        runs[i : i + 1] = [(start, middle), (middle, end)]
+    return runs
+
+
+def _padded(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int) -> dict[str, torch.Tensor]:
+    """The batch's ``rows`` with their tokens cut or right-padded to ``seq_len``, positions and row indices."""
+    part = {k: v[rows] for k, v in batch.items()}
+    ids = part["input_ids"][:, :seq_len]
+    if ids.shape[1] < seq_len:
+        ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]))
+    positions = torch.arange(seq_len, device=ids.device).expand_as(ids)
+    return {**part, "input_ids": ids, "position_ids": positions, ROW_INDEX: rows}
 
 
 def _optimizers(optimizer) -> list:
