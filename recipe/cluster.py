@@ -131,7 +131,8 @@ def prepare(args: argparse.Namespace) -> int:
         print(f"  {name:<14} {value}")
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     spec = model_spec(cfg, recipe)
-    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
+    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
+                       cfg.needs_reference)
     print_verdict(spec, verdict, seq_len)
 
     template = args.runtime_env or os.path.join(RUNTIME_ENV_DIR, RUNTIME_ENV_FOR_DEVICE[cluster.device])

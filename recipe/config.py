@@ -258,6 +258,11 @@ class RecipeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ignored: tuple[str, ...] = ()  # verl keys given that have no effect here, with the reason (not a YAML key)
 
+    @property
+    def needs_reference(self) -> bool:
+        """A reference model is built: KL to it in the loss or in the reward."""
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
 
 # ---- value rules (by dotted key; types come from the annotations) ----------------------------
 
@@ -818,5 +823,6 @@ def _layout_problems(cfg: RecipeConfig, name: str) -> list[str]:
             f"data.max_prompt_length + data.max_response_length = {seq_len} exceeds the model's "
             f"max_position_embeddings ({spec.max_position_embeddings}); shorten one of them"
         )
-    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
+    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
+                       cfg.needs_reference)
     return out + [f"layout {cfg.layout.name}: {v}" for v in verdict.violations]

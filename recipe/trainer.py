@@ -214,7 +214,7 @@ class Trainer:
             with timer("old_log_prob"):
                 batch["old_log_probs"], old = self.log_probs(batch, "actor")
             batch.pop(ROUTED_EXPERTS, None)
-            if cfg.actor_rollout_ref.actor.use_kl_loss or a.use_kl_in_reward:
+            if cfg.needs_reference:
                 with timer("ref"):
                     batch["ref_log_probs"], _ = self.log_probs(batch, "ref")
             valid = token_mask(batch)  # before rejection sampling takes tokens out of the loss

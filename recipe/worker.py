@@ -7,7 +7,7 @@ called on all workers together. Batches follow ``megatron_bridge.runtime.actor``
 
 The device alternates between the engine and the Megatron shards: ``generate`` offloads the
 training state the layout names (``param_offload``, ``grad_offload``, ``optimizer_offload``; the
-reference model's params and grads under the same flags) before it wakes the engine, and every
+reference model's weights under ``param_offload``; it has no grads or optimizer) before it wakes the engine, and every
 method that computes with a shard puts the engine to sleep and brings that shard back first.
 """
 
@@ -102,7 +102,7 @@ class Worker:
         self.actor.load_hf(model_dir)
         self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
         self.ref = None
-        if arr.actor.use_kl_loss:
+        if cfg.needs_reference:
             self.ref = MegatronActor(spec, layout.train, options, None, platform.name)
             self.ref.load_hf(model_dir)
         self.routing = RoutingTap(self.actor.chunks, spec.moe_topk, layout.train.sequence_parallel)
@@ -187,7 +187,8 @@ class Worker:
         self.engine.sleep()
         if model == "ref":
             if self.ref is None:
-                raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true")
+                raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true "
+                                   "or algorithm.use_kl_in_reward=true")
             self._on_device(self.ref)
             batch = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
             ref = self.cfg.actor_rollout_ref.ref

@@ -1,6 +1,7 @@
 """Memory model at scale, MC2 facts, config readers and the plan CLI."""
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -143,6 +144,22 @@ def test_cli_check_exit_codes():
 def test_cli_check_rejects_a_layout_that_does_not_fit_in_memory():
     out = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_4x8_a2", "--device-memory-gb", "16")
     assert out.returncode == 1 and "memory.train_fits" in out.stdout
+
+
+def test_a_reference_model_adds_its_weights_under_the_param_offload_rule():
+    layout = load_layout("qwen3_30b_a3b_2x16_a3")
+    plain, ref = memory.estimate(Q30, layout, 4096), memory.estimate(Q30, layout, 4096, reference=True)
+    weights = ref.static.weights  # the same layout and buffer as the actor's; no grads, no optimizer
+    assert ref.reference == weights > 0 and plain.reference == 0
+    assert ref.train_peak - plain.train_peak == weights
+    assert ref.offload_host - plain.offload_host == weights  # param_offload is on in this layout
+    assert ref.resident_during_rollout == plain.resident_during_rollout == 0
+    kept = replace(layout, train=replace(layout.train, param_offload=False))
+    plain, ref = memory.estimate(Q30, kept, 4096), memory.estimate(Q30, kept, 4096, reference=True)
+    assert ref.resident_during_rollout - plain.resident_during_rollout == weights and ref.offload_host == plain.offload_host
+    out = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3", "--reference-model", "--json")
+    terms = json.loads(out.stdout)["memory_bytes"]
+    assert out.returncode == 0 and terms["reference model weights (bf16, KL)"] == weights
 
 
 def test_search_prints_only_valid_layouts_that_check_accepts(tmp_path):

@@ -268,7 +268,8 @@ def test_dp_rows_keep_each_mini_batch_whole():
 
 @pytest.mark.slow
 def test_dapo_dynamic_sampling_and_kl_in_reward(tmp_path):
-    out = run_main(["--config", TINY["grpo"], f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
+    # GSPO has no KL loss: the reference model is built for the reward's KL alone
+    out = run_main(["--config", TINY["gspo"], f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
                     "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.val_before_train=false",
                     "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=8",
                     "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"])

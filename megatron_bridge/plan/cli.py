@@ -60,11 +60,12 @@ def memory_violations(report: memory.MemoryReport) -> list[Violation]:
     return out
 
 
-def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1) -> Verdict:
+def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1,
+             reference: bool = False) -> Verdict:
     violations = validate(spec, layout, seq_len)
     if violations:
         return Verdict(layout, violations, None, None, [])
-    report = memory.estimate(spec, layout, seq_len, micro_batch_size)
+    report = memory.estimate(spec, layout, seq_len, micro_batch_size, reference)
     return Verdict(
         layout, memory_violations(report), report,
         mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout),
@@ -238,12 +239,12 @@ def why(v: Verdict, devices_per_node: int) -> str:
 
 
 def search(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch_size: int, recompute: bool,
-           utilization: float, offload: bool, include_oom: bool) -> list[Verdict]:
+           utilization: float, offload: bool, include_oom: bool, reference: bool = False) -> list[Verdict]:
     verdicts = []
     for layout in candidates(spec, cluster, recompute, utilization, offload):
         if validate(spec, layout, seq_len):
             continue  # search shows structurally valid layouts only
-        v = evaluate(spec, layout, seq_len, micro_batch_size)
+        v = evaluate(spec, layout, seq_len, micro_batch_size, reference)
         if v.valid or include_oom:
             verdicts.append(v)
     return sorted(verdicts, key=lambda v: (not v.valid, rank_key(v, cluster.devices_per_node)))
@@ -303,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN,
                        help=f"tokens per sequence (prompt + response) for activation and CP/SP checks (default {DEFAULT_SEQ_LEN})")
         p.add_argument("--micro-batch-size", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
+        p.add_argument("--reference-model", action="store_true",
+                       help="count a reference model's weights (KL loss or KL in reward, e.g. the GRPO recipes)")
         p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
 
     check = sub.add_parser("check", help="validate one layout YAML for a model and cluster",
@@ -332,7 +335,7 @@ def _cluster_overrides(args) -> dict:
 def run_check(args) -> int:
     spec = load_model_spec(args.model)
     layout = load_layout(args.parallel).with_cluster(**_cluster_overrides(args))
-    v = evaluate(spec, layout, args.seq_len, args.micro_batch_size)
+    v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model)
     if args.json:
         print(json.dumps(verdict_json(v), indent=2))
     else:
@@ -349,7 +352,7 @@ def run_search(args) -> int:
     if not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1)")
     verdicts = search(spec, cluster, args.seq_len, args.micro_batch_size, not args.no_recompute,
-                      args.gpu_memory_utilization, not args.no_offload, args.include_oom)
+                      args.gpu_memory_utilization, not args.no_offload, args.include_oom, args.reference_model)
     shown = verdicts[: args.top]
     if args.json:
         print(json.dumps([verdict_json(v) for v in shown], indent=2))

@@ -142,18 +142,19 @@ class StaticMemory:
         return self.weights + self.grads + self.optimizer
 
 
-def kept_during_rollout(static: StaticMemory, t: TrainParallel) -> int:
+def kept_during_rollout(static: StaticMemory, t: TrainParallel, reference: int = 0) -> int:
     """What stays on the device while the rollout engine generates: the terms whose offload flag
     is off. ``megatron_bridge.runtime.offload`` frees exactly these terms' storages (tested to the
-    byte): weights and optimizer state are copied to the host, grads are freed and come back zeroed."""
-    return ((0 if t.param_offload else static.weights) + (0 if t.grad_offload else static.grads)
+    byte): weights and optimizer state are copied to the host, grads are freed and come back zeroed.
+    ``reference``: the reference model's weights, under ``param_offload`` too."""
+    return ((0 if t.param_offload else static.weights + reference) + (0 if t.grad_offload else static.grads)
             + (0 if t.optimizer_offload else static.optimizer))
 
 
-def offload_host_bytes(static: StaticMemory, t: TrainParallel) -> int:
+def offload_host_bytes(static: StaticMemory, t: TrainParallel, reference: int = 0) -> int:
     """Host memory (pinned, kept between steps) the offload copies this device's state into:
-    weights and optimizer state; grads are not copied."""
-    return (static.weights if t.param_offload else 0) + (static.optimizer if t.optimizer_offload else 0)
+    weights (the reference model's too) and optimizer state; grads are not copied."""
+    return (static.weights + reference if t.param_offload else 0) + (static.optimizer if t.optimizer_offload else 0)
 
 
 def data_parallel_sizes(layout: Layout) -> tuple[int, int]:
@@ -264,11 +265,12 @@ class MemoryReport:
     rollout_weights: int
     resident_during_rollout: int
     offload_host: int
+    reference: int = 0  # the reference model's weights (KL loss or KL in reward); it has no grads or optimizer
     terms: list[tuple[str, int, bool]] = field(default_factory=list)
 
     @property
     def train_peak(self) -> int:
-        return self.static.total + self.activations + self.logits + self.routing
+        return self.static.total + self.reference + self.activations + self.logits + self.routing
 
     @property
     def train_fits(self) -> bool | None:
@@ -288,8 +290,10 @@ class MemoryReport:
         return bool(self.train_fits and self.rollout_fits)
 
 
-def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1) -> MemoryReport:
-    """Memory per device on the worst pipeline stage of a validated layout."""
+def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1,
+             reference: bool = False) -> MemoryReport:
+    """Memory per device on the worst pipeline stage of a validated layout; with ``reference``, a
+    reference model in the same layout (its weights buffer is the actor's)."""
     t, cl, r = layout.train, layout.cluster, layout.rollout
     tokens = seq_len * micro_batch_size
     device = int(cl.device_memory_gb * GIB) if cl.device_memory_gb else None
@@ -300,17 +304,20 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
         acts = activation_memory(spec, t, sum(chunks[pp_rank]), tokens)
         routing = routing_memory(spec, t, sum(chunks[pp_rank]), tokens)
         logits = logits_memory(spec, t, tokens) if pp_rank == t.pp - 1 else 0
+        ref = static.weights if reference else 0
         reports.append(MemoryReport(
             pp_rank=pp_rank, static=static, activations=acts, logits=logits, routing=routing, device_bytes=device,
             rollout_share=int(r.gpu_memory_utilization * device) if device else None,
-            rollout_weights=rollout_weight_bytes(spec, layout), resident_during_rollout=kept_during_rollout(static, t),
-            offload_host=offload_host_bytes(static, t),
+            rollout_weights=rollout_weight_bytes(spec, layout),
+            resident_during_rollout=kept_during_rollout(static, t, ref), offload_host=offload_host_bytes(static, t, ref),
+            reference=ref,
         ))
     worst = max(reports, key=lambda m: m.train_peak)
     worst.terms = [
         ("weights (bf16)", worst.static.weights, True),
         ("grads (fp32 main grads)", worst.static.grads, True),
         ("optimizer (fp32 master + Adam m, v)", worst.static.optimizer, True),
+        *([("reference model weights (bf16, KL)", worst.reference, True)] if reference else []),
         ("activations" + (" (full recompute)" if t.recompute_granularity == "full" else ""), worst.activations, False),
         ("logits (fp32, vocab-parallel)", worst.logits, False),
         ("routing ids (capture, replay)", worst.routing, False),

@@ -132,6 +132,10 @@ class MegatronActor:
             DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(chunks)
         ]
+        if optim is None:  # a reference model never runs backward: no fp32 grad buffers (2x its bf16 weights)
+            for chunk in self.chunks:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.grad_data.untyped_storage().resize_(0)
         self.dp_size = ps.get_data_parallel_world_size()
         self.optimizer = self.scheduler = None
         self.steps = 0
@@ -305,7 +309,8 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
 
         if self.optimizer is None:
-            raise RuntimeError("no optimizer: load weights with load_hf() (or build with an OptimConfig) first")
+            raise RuntimeError("no optimizer: build with an OptimConfig (a reference model does not train) and load "
+                               "weights with load_hf() first")
         micro_batches = self.micro_batches(batch, micro_batch_size, max_tokens)
         mask = batch["response_mask"].bool()
         counts = torch.tensor([mask.sum(), mask.any(dim=1).sum()], dtype=torch.long, device=self.device)
