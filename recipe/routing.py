@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bridge.moe.table import RoutingRecord, empty_routing, expert_counts, routing_change
+from megatron_bridge.runtime.actor import response_ends
 from recipe.metrics import moe_load_metrics
 
 
@@ -32,8 +33,7 @@ def replay_source(rollout: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 def token_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[rows, width] bool: the positions the model reads (prompt and response, not the padding)."""
-    ends = batch["prompt_lengths"] + batch["response_mask"].sum(1).long()
-    return torch.arange(batch["input_ids"].shape[1]) < ends[:, None]
+    return torch.arange(batch["input_ids"].shape[1]) < response_ends(batch)[:, None]
 
 
 def routing_metrics(old: RoutingRecord, valid: torch.Tensor, num_experts: int, rollout: torch.Tensor | None,

@@ -13,6 +13,17 @@ PROMPTS = [[5, 17, 33, 102], [9, 4], [300, 301, 302, 303, 304, 305]]
 MAX_TOKENS = 10
 
 
+def engine_batch(prompts: list[list[int]], responses: list[list[int]], response_width: int) -> dict[str, torch.Tensor]:
+    """The actor's batch (right-padded prompt + response, response mask) of an engine's responses."""
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    mask = torch.zeros(len(prompts), response_width)
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        ids[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        mask[i, : len(response)] = 1
+    return {"input_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts]), "response_mask": mask}
+
+
 def _sync_and_compare(rank, world_size, actor_checkpoint, engine_checkpoint, train_kwargs):
     from functools import partial
 
@@ -42,21 +53,15 @@ def _sync_and_compare(rank, world_size, actor_checkpoint, engine_checkpoint, tra
 
     # The actor's log-probs of the engine's responses, through the pipeline schedule.
     rows, width = len(PROMPTS), max(len(r) for r in after.token_ids)
-    length = max(len(p) + len(r) for p, r in zip(PROMPTS, after.token_ids))
-    ids = torch.zeros(rows, length, dtype=torch.long)
-    mask = torch.zeros(rows, width)
-    for i, (prompt, response) in enumerate(zip(PROMPTS, after.token_ids)):
-        ids[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-        mask[i, : len(response)] = 1
-    batch = {"input_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in PROMPTS]), "response_mask": mask}
+    batch = engine_batch(PROMPTS, after.token_ids, width)
     actor_lp = actor.forward_only(batch, 1, partial(log_prob_func, TEMPERATURE, False))["log_probs"]
     engine_lp = torch.zeros(rows, width)
     for i, lp in enumerate(after.log_probs):
         engine_lp[i, : len(lp)] = torch.tensor(lp)
     return {
         "changed": before.token_ids != after.token_ids,
-        "max_delta": float(((actor_lp.float() - engine_lp) * mask).abs().max()),
-        "tokens": int(mask.sum()),
+        "max_delta": float(((actor_lp.float() - engine_lp) * batch["response_mask"]).abs().max()),
+        "tokens": int(batch["response_mask"].sum()),
         "metrics": metrics,
     }
 

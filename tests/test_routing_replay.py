@@ -24,6 +24,7 @@ from megatron_bridge.moe.table import changed_slots
 from megatron_bridge.tiny_model import save_tiny_checkpoint
 from megatron_bridge.verify import reference
 from tests.distributed import run_ranks
+from tests.test_rollout_sync import engine_batch
 
 ROWS, WIDTH = 8, 6
 # GSPO's own clip range: any per-sequence ratio off 1 by more than 3e-4 would be clipped.
@@ -257,14 +258,9 @@ def test_r3_replays_the_rollout_engines_routing(checkpoints, tmp_path):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (ROWS,), generator=g)]
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=WIDTH, seed=5))
-    length = max(len(p) + len(r) for p, r in zip(prompts, out.token_ids))
-    ids = torch.zeros(ROWS, length, dtype=torch.long)
-    mask = torch.zeros(ROWS, WIDTH)
-    for i, (p, r) in enumerate(zip(prompts, out.token_ids)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        mask[i, : len(r)] = 1
-    batch = {"input_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts]), "response_mask": mask,
-             "advantages": torch.randn(ROWS, 1, generator=g).expand(ROWS, WIDTH).clone()}
+    batch = engine_batch(prompts, out.token_ids, WIDTH)
+    batch["advantages"] = torch.randn(ROWS, 1, generator=g).expand(ROWS, WIDTH).clone()
+    ids, length = batch["input_ids"], batch["input_ids"].shape[1]
     engine_table = rollout_routing(out.routed_experts, length)
     # the engine's routing is transformers' own routing of A (its last token never went through the model)
     _, routing_a = reference(ckpt_a, ids)
