@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> dict:
         ok = bool(delta.max() <= tol) and not disagree and trip_ok and routing_ok
         report.update(
             max_abs_delta_log_prob=float(delta.max()),
+            max_abs_log_prob=float(ref_log_probs.abs().max()),
             mean_abs_delta_log_prob=float(delta.mean()),
             tokens=delta.numel(),
             routing={"slot_frac_differs": routes["routing/slot_frac"], "token_any_frac_differs": routes["routing/token_any_frac"],

@@ -95,5 +95,5 @@ def test_a_short_tiny_comparison_runs_end_to_end(tmp_path):
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert [v["variant"] for v in summary["variants"]] == ["grpo", "gspo_r2"]
     assert (tmp_path / "report" / "report.md").is_file() and summary["plots"]["score.png"] == ["grpo", "gspo_r2"]
-    again = _compare(*args, timeout=300)
+    again = _compare(*args)  # only reads the finished runs and writes the report
     assert again.returncode == 0 and again.stdout.count("(finished)") == 2 and "== [" not in again.stdout

@@ -20,13 +20,13 @@ from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.plan.validate import divisors, validate
 from megatron_bridge.tiny_model import save_tiny_checkpoint
 from tests.distributed import run_ranks
-from tests.test_actor_update import LOSSES, make_batch
+from tests.numerics import log_prob_tolerance
+from tests.test_actor_update import LOSSES, make_batch, max_grad, tolerances
 
 TINY = load_model_spec("tiny_qwen3_moe")
 WORLD_SIZES = (2, 4)
 SEQ_LEN = 16  # what the SP / CP rules are checked against; the batch is shorter, padded to TP
 MICRO_BATCH = 2  # 1 to 4 micro-batches per DP rank, at least PP (the interleaved schedule needs it)
-LOG_PROB_TOLERANCE = 1e-4  # fp32: summation order only (~2e-6 measured)
 RECOMPUTE = (  # one representative layout per setting
     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
@@ -138,7 +138,7 @@ def _run_layout(train: TrainParallel, checkpoint: str, batch: dict, reference) -
     log_probs, _ = sharded_log_probs(actor, batch["input_ids"][rows], MICRO_BATCH)
     metrics = actor.train_step({k: v[rows] for k, v in batch.items()}, MICRO_BATCH,
                                partial(policy_loss_func, LOSSES["gspo"]))
-    return {"max_delta": float((log_probs - reference[rows]).abs().max()), **metrics}
+    return {"max_delta": float((log_probs - reference[rows]).abs().max()), "max_grad": max_grad(actor), **metrics}
 
 
 def _sweep(rank, world_size, layouts, checkpoint, batch, reference):
@@ -174,11 +174,13 @@ def test_every_accepted_layout_runs_a_forward_and_a_train_step(setup, world_size
     per_rank = run_ranks(_sweep, world_size, tmp_path, layouts, checkpoint, batch, reference)
     dp = per_rank[0][name(layouts[0])]
     assert dp["actor/skipped"] == 0 and 0 < dp["actor/pg_clipfrac"] < 1
+    log_prob = log_prob_tolerance(TINY, reference, batch["input_ids"].shape[1])
+    tolerance = tolerances(checkpoint, batch, {**dp, "max_grad": max(r[name(layouts[0])]["max_grad"] for r in per_rank)})
     for t in layouts:
         for rank, results in enumerate(per_rank):
             got, where = results[name(t)], f"{name(t)}, rank {rank}"
-            assert got["max_delta"] < LOG_PROB_TOLERANCE, where
+            assert got["max_delta"] < log_prob, where
             assert got["actor/skipped"] == 0 and math.isfinite(got["actor/grad_norm"]), where
             # the same mini-batch: the same loss and gradient in every layout
-            assert got["actor/pg_loss"] == pytest.approx(dp["actor/pg_loss"], rel=1e-5, abs=1e-7), where
-            assert got["actor/grad_norm"] == pytest.approx(dp["actor/grad_norm"], rel=1e-5), where
+            for key in ("actor/pg_loss", "actor/grad_norm"):
+                assert got[key] == pytest.approx(dp[key], rel=0, abs=tolerance[key]), where

@@ -7,6 +7,9 @@ import torch
 
 from megatron_bridge.tiny_model import save_tiny_checkpoint
 from tests.distributed import run_ranks
+from tests.numerics import log_prob_tolerance
+
+pytestmark = pytest.mark.numerics  # CI runs these again under another CPU kernel path
 
 TEMPERATURE = 0.7
 PROMPTS = [[5, 17, 33, 102], [9, 4], [300, 301, 302, 303, 304, 305]]
@@ -61,6 +64,7 @@ def _sync_and_compare(rank, world_size, actor_checkpoint, engine_checkpoint, tra
     return {
         "changed": before.token_ids != after.token_ids,
         "max_delta": float(((actor_lp.float() - engine_lp) * batch["response_mask"]).abs().max()),
+        "tolerance": log_prob_tolerance(spec, engine_lp, batch["input_ids"].shape[1]),
         "tokens": int(batch["response_mask"].sum()),
         "metrics": metrics,
     }
@@ -75,7 +79,7 @@ def test_engine_after_sync_matches_sharded_actor(tmp_path):
     for r in results:
         assert r["changed"]  # the sync replaced the engine's weights ...
         assert r["tokens"] >= len(PROMPTS)
-        assert r["max_delta"] < 1e-4, r  # ... with the actor's: same log-probs (fp32; measured ~1e-6)
+        assert r["max_delta"] < r["tolerance"], r  # ... with the actor's: same log-probs (fp32; measured ~1e-6)
         m = r["metrics"]
         assert m["reshard/tensors"] == 135 and m["reshard/bytes"] == 1452800
         assert m["timing_s/reshard"] >= m["reshard/export_s"] > 0

@@ -24,6 +24,7 @@ from megatron_bridge.moe.table import changed_slots
 from megatron_bridge.tiny_model import save_tiny_checkpoint
 from megatron_bridge.verify import reference
 from tests.distributed import run_ranks
+from tests.numerics import log_prob_tolerance
 from tests.test_rollout_sync import engine_batch
 
 ROWS, WIDTH = 8, 6
@@ -169,6 +170,9 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
     return {
         "captured": captured.tolist(), "native_b": native_b.tolist(),
         "replay_vs_forced": float((lp_replay - expected)[mask].abs().max()),
+        # transformers' forward against megatron's sharded one (tests.numerics); also bounds
+        # ppo_kl, a mean of the same differences
+        "tolerance": log_prob_tolerance(spec, expected[mask], mine["input_ids"].shape[1]),
         "native_vs_forced": float((lp_native - expected)[mask].abs().max()),
         "ppo_kl": metrics["actor/ppo_kl"], "pg_clipfrac": metrics["actor/pg_clipfrac"], "skipped": metrics["actor/skipped"],
         "router_moved": moved, "overridden_slots": float(out.record.overridden_slots.sum()), "repeat": repeat,
@@ -204,6 +208,7 @@ def slices(prefix: str, world: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.numerics
 def test_r2_replays_the_recorded_routing(name, checkpoints, reference_tables, tmp_path):
     batch, routing_a, forced = reference_tables
     world, kwargs = LAYOUTS[name]
@@ -221,13 +226,13 @@ def test_r2_replays_the_recorded_routing(name, checkpoints, reference_tables, tm
     assert flips > 0.05 * valid.sum() * captured.shape[-1], flips
     assert r["native_vs_forced"] > 1e-2
     # ... and replaying A's routing gives exactly transformers' B forced to it: forward-only ...
-    assert r["replay_vs_forced"] < 1e-4, r["replay_vs_forced"]
+    assert r["replay_vs_forced"] < r["tolerance"], r
     # ... and in the training forward: ratio 1, nothing clipped, while the router moved natively
-    assert r["skipped"] == 0 and abs(r["ppo_kl"]) < 1e-5 and r["pg_clipfrac"] == 0, r
+    assert r["skipped"] == 0 and abs(r["ppo_kl"]) < r["tolerance"] and r["pg_clipfrac"] == 0, r
     assert r["overridden_slots"] > 0
     # the router still learns: its weights change (Adam moves nothing without a gradient)
     assert all(m > 0 for m in r["router_moved"]) and r["router_moved"], r["router_moved"]
-    assert all(result["replay_vs_forced"] < 1e-4 for result in results)
+    assert all(result["replay_vs_forced"] < result["tolerance"] for result in results)
 
 
 @pytest.mark.slow
@@ -238,7 +243,8 @@ def test_r2_with_full_recompute_replays_in_the_recompute(checkpoints, reference_
     world, kwargs = LAYOUTS["tp2_ep2"]
     plain, plain_prefix = run_replay(tmp_path, checkpoints, batch, world, kwargs, None, forced, "plain")
     again, again_prefix = run_replay(tmp_path, checkpoints, batch, world, {**kwargs, **RECOMPUTE}, None, forced, "recompute")
-    assert again[0]["replay_vs_forced"] < 1e-4 and abs(again[0]["ppo_kl"]) < 1e-5 and again[0]["pg_clipfrac"] == 0
+    r = again[0]
+    assert r["replay_vs_forced"] < r["tolerance"] and abs(r["ppo_kl"]) < r["tolerance"] and r["pg_clipfrac"] == 0, r
     a, b = slices(plain_prefix, world), slices(again_prefix, world)
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -270,7 +276,7 @@ def test_r3_replays_the_rollout_engines_routing(checkpoints, tmp_path):
     results, _ = run_replay(tmp_path, checkpoints, batch, *LAYOUTS["ep2"], engine_table, forced, "r3")
     r = results[0]
     assert r["native_vs_forced"] > 1e-2
-    assert r["replay_vs_forced"] < 1e-4 and abs(r["ppo_kl"]) < 1e-5 and r["pg_clipfrac"] == 0, r
+    assert r["replay_vs_forced"] < r["tolerance"] and abs(r["ppo_kl"]) < r["tolerance"] and r["pg_clipfrac"] == 0, r
 
 
 def test_hf_recorder_reads_transformers_top_k(checkpoints):
