@@ -114,7 +114,7 @@ def _write(path: str, text: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from megatron_bridge.plan.cli import evaluate, print_verdict
+    from megatron_bridge.plan.verdict import evaluate, print_verdict
     from recipe.config import config_to_dict, load_config, model_spec, resolve_path
     from recipe.worker_group import DEVICE_RESOURCE
 

@@ -33,12 +33,12 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, RolloutCorrectionConfig, policy_loss_modes
-from megatron_bridge.runtime.actor import LR_DECAY_STYLES, OptimConfig
+from megatron_bridge.runtime.optim import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
 from megatron_bridge.plan.layout import Layout, layout_from_dict, layout_to_dict, nearest_key
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
-from megatron_bridge.plan.cli import evaluate
+from megatron_bridge.plan.verdict import evaluate
 from megatron_bridge.tiny_model import TINY
 from recipe.verl_compat import check_equal, translate
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bridge.moe.table import RoutingRecord, empty_routing, expert_counts, routing_change
-from megatron_bridge.runtime.actor import response_ends
+from megatron_bridge.runtime.batch import response_ends
 from recipe.metrics import moe_load_metrics
 
 

@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from loss import rollout_correction, rollout_mismatch_metrics
-from megatron_bridge.moe.routing import ROUTED_EXPERTS
+from megatron_bridge.runtime.batch import ROUTED_EXPERTS
 from megatron_bridge.moe.table import RoutingRecord, merge_records
-from megatron_bridge.runtime.actor import dp_shares, response_ends
+from megatron_bridge.runtime.batch import dp_shares, response_ends
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.tiny_model import TINY
 from recipe.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages, varying_groups

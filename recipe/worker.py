@@ -182,7 +182,7 @@ class Worker:
         """Per-token log-probs [B, R] of the responses under the actor ("actor") or the reference
         ("ref"). The actor's pass also records its routing (with ``routed_experts`` in the batch,
         R3, it replays those and records what its routers would have chosen)."""
-        from megatron_bridge.moe.routing import ROUTED_EXPERTS
+        from megatron_bridge.runtime.batch import ROUTED_EXPERTS
 
         self.engine.sleep()
         if model == "ref":
@@ -230,7 +230,7 @@ class Worker:
         """PPO epochs over this DP rank's rows in mini-batches of ``mini_batch_rows``; with
         ``routed_experts`` in the batch every training forward (and recompute) replays them."""
         from loss.megatron_hook import policy_loss_func
-        from megatron_bridge.moe.routing import ROUTED_EXPERTS
+        from megatron_bridge.runtime.batch import ROUTED_EXPERTS
 
         self.engine.sleep()
         self._on_device(self.actor)

@@ -105,11 +105,13 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
     from megatron.core import parallel_state as ps
 
     from loss.megatron_hook import log_prob_func, policy_loss_func
-    from megatron_bridge.moe.routing import ROUTED_EXPERTS, RoutingTap
+    from megatron_bridge.moe.routing import RoutingTap
+    from megatron_bridge.runtime.batch import ROUTED_EXPERTS
     from megatron_bridge.moe.table import merge_records, routing_change
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.plan.model_spec import load_model_spec
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.weights.export import local_hf_slices
 
