@@ -253,7 +253,7 @@ def test_r3_replays_the_rollout_engines_routing(checkpoints, tmp_path):
     and replayed by model B, it gives transformers' B forced to the engine's routing."""
     from recipe.rollout.base import SamplingParams
     from recipe.rollout.hf_engine import HFEngine
-    from recipe.routing import rollout_routing
+    from recipe.driver.routing import rollout_routing
 
     ckpt_a, ckpt_b = checkpoints
     engine = HFEngine(ckpt_a, load_from_checkpoint=True, return_routed_experts=True)

@@ -27,8 +27,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers import (
@@ -50,6 +49,9 @@ from recipe.rollout.base import (
     check_prompts,
     request_seed,
 )
+
+if TYPE_CHECKING:
+    from recipe.config import RecipeConfig
 
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _MISSING_SHOWN = 5  # missing names listed in a WeightLoadError
@@ -247,6 +249,13 @@ class HFEngine:
         if self.device.type != "cpu":
             self.model.to(self.device)
         self._asleep = False
+
+
+def build(cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str) -> HFEngine:
+    """The engine as the recipe configures it (``recipe.rollout.ENGINES``)."""
+    device = "cpu" if platform == "cpu" else torch.device(platform, torch.cuda.current_device())
+    return HFEngine(model_dir, dtype=dtype, device=device,
+                    return_routed_experts=cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay)
 
 
 def _hub_slots(model: Qwen3MoeForCausalLM) -> dict[str, _Slot]:

@@ -40,7 +40,7 @@ import os
 import random
 import sys
 from contextlib import contextmanager
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -78,6 +78,9 @@ from recipe.rollout.vllm_weights import (
     missing_local_experts,
     reattach_moe_weight_loaders,
 )
+
+if TYPE_CHECKING:
+    from recipe.config import RecipeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -482,3 +485,12 @@ class VLLMEngine:
         for tag in tags:
             self.llm.wake_up(tags=[tag])
             self._asleep.discard(tag)
+
+
+def build(cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str) -> VLLMEngine:
+    """The engine as the recipe configures it (``recipe.rollout.ENGINES``)."""
+    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    return VLLMEngine(model_dir, cfg.layout.rollout, platform=platform, dtype=dtype,
+                      max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
+                      return_routed_experts=rollout.enable_rollout_routing_replay,
+                      engine_kwargs=rollout.engine_kwargs.get("vllm"))
