@@ -3,8 +3,7 @@ transformers on the CPU; the weight sync from the actor (``sync``).
 
 ``ENGINES`` is what the config and the workers read: the names ``actor_rollout_ref.rollout.name``
 accepts, the engine ``auto`` picks for a device, how to build one and how its weights are routed.
-Adding an engine is one module with a ``build(cfg, model_dir, dtype, platform)`` function and one
-entry here.
+Adding an engine is one module with a ``build(args: EngineArgs)`` function and one entry here.
 """
 
 from __future__ import annotations
@@ -14,10 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
-    from recipe.config import RecipeConfig
-    from recipe.rollout.base import RolloutEngine
+    from recipe.rollout.base import EngineArgs, RolloutEngine
 
 
 @dataclass(frozen=True)
@@ -26,8 +22,8 @@ class Engine:
     devices: tuple[str, ...]  # the platforms it runs on
     expert_parallel: bool  # shards the experts over the rollout's EP ranks, each receiving only its own
 
-    def build(self, cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str) -> RolloutEngine:
-        return importlib.import_module(self.module).build(cfg, model_dir, dtype, platform)
+    def build(self, args: EngineArgs) -> RolloutEngine:
+        return importlib.import_module(self.module).build(args)
 
 
 ENGINES = {

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from transformers import (
@@ -41,6 +41,7 @@ from transformers import (
 
 from megatron_bridge.moe.hf_routing import HFRoutingRecorder
 from recipe.rollout.base import (
+    EngineArgs,
     Generation,
     LoadStats,
     SamplingParams,
@@ -49,9 +50,6 @@ from recipe.rollout.base import (
     check_prompts,
     request_seed,
 )
-
-if TYPE_CHECKING:
-    from recipe.config import RecipeConfig
 
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _MISSING_SHOWN = 5  # missing names listed in a WeightLoadError
@@ -251,11 +249,10 @@ class HFEngine:
         self._asleep = False
 
 
-def build(cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str) -> HFEngine:
-    """The engine as the recipe configures it (``recipe.rollout.ENGINES``)."""
-    device = "cpu" if platform == "cpu" else torch.device(platform, torch.cuda.current_device())
-    return HFEngine(model_dir, dtype=dtype, device=device,
-                    return_routed_experts=cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay)
+def build(args: EngineArgs) -> HFEngine:
+    """``recipe.rollout.ENGINES``'s entry: one process, no parallelism, no further arguments."""
+    device = "cpu" if args.platform == "cpu" else torch.device(args.platform, torch.cuda.current_device())
+    return HFEngine(args.model_dir, dtype=args.dtype, device=device, return_routed_experts=args.return_routed_experts)
 
 
 def _hub_slots(model: Qwen3MoeForCausalLM) -> dict[str, _Slot]:

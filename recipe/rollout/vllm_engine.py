@@ -40,13 +40,14 @@ import os
 import random
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from megatron_bridge.plan.layout import RolloutParallel
 from megatron_bridge.plan.model_spec import load_hf_config
 from recipe.rollout.base import (
+    EngineArgs,
     Generation,
     LoadStats,
     SamplingParams,
@@ -78,9 +79,6 @@ from recipe.rollout.vllm_weights import (
     missing_local_experts,
     reattach_moe_weight_loaders,
 )
-
-if TYPE_CHECKING:
-    from recipe.config import RecipeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -487,10 +485,8 @@ class VLLMEngine:
             self._asleep.discard(tag)
 
 
-def build(cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str) -> VLLMEngine:
-    """The engine as the recipe configures it (``recipe.rollout.ENGINES``)."""
-    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
-    return VLLMEngine(model_dir, cfg.layout.rollout, platform=platform, dtype=dtype,
-                      max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
-                      return_routed_experts=rollout.enable_rollout_routing_replay,
-                      engine_kwargs=rollout.engine_kwargs.get("vllm"))
+def build(args: EngineArgs) -> VLLMEngine:
+    """``recipe.rollout.ENGINES``'s entry."""
+    return VLLMEngine(args.model_dir, args.rollout, platform=args.platform, dtype=args.dtype,
+                      max_model_len=args.max_model_len, seed=args.seed,
+                      return_routed_experts=args.return_routed_experts, engine_kwargs=args.engine_kwargs)

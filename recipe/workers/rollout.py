@@ -8,12 +8,18 @@ import torch
 
 from recipe.config import RecipeConfig
 from recipe.rollout import ENGINES
-from recipe.rollout.base import Generation, SamplingParams
+from recipe.rollout.base import EngineArgs, Generation, SamplingParams
 
 
 class RolloutWorker:
     def __init__(self, cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str):
-        self.engine = ENGINES[cfg.actor_rollout_ref.rollout.name].build(cfg, model_dir, dtype, platform)
+        rollout, data = cfg.actor_rollout_ref.rollout, cfg.data
+        self.engine = ENGINES[rollout.name].build(EngineArgs(
+            model_dir=model_dir, dtype=dtype, platform=platform, rollout=cfg.layout.rollout,
+            max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
+            return_routed_experts=rollout.enable_rollout_routing_replay,
+            engine_kwargs=rollout.engine_kwargs.get(rollout.name),
+        ))
 
     def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams) -> Generation:
         self.engine.wake_up()
