@@ -112,6 +112,8 @@ class ActorConfig:
     use_dynamic_bsz: bool = False  # micro-batches by token budget instead of by rows
     ppo_max_token_len_per_gpu: int = 16384  # that budget: padded tokens per micro-batch (x context parallel)
     ppo_epochs: int = 1
+    # the loss keys, with verl's defaults (the algo fragments set them); RecipeConfig.actor_loss hands them
+    # to the loss hook whole. loss.megatron_hook.ActorLossConfig's own defaults are GSPO's, for direct use.
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
