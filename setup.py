@@ -15,7 +15,7 @@ CORE = [
     "numpy",
     "tqdm",
     "pyarrow",  # parquet datasets (verl's format)
-    "matplotlib",  # the comparison report's plots (recipe.report)
+    "matplotlib",  # the comparison report's plots (recipe.compare.report)
 ]
 
 setup(

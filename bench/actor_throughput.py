@@ -279,7 +279,8 @@ def _torch_profile(fn: Callable[[], Any], path: Path, rows: int = 15) -> None:
 
 def build_actor(train: TrainParallel, checkpoint: str):
     """This rank's fp32 actor with the checkpoint loaded (parallel state must be initialised)."""
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig
+    from megatron_bridge.runtime.actor import MegatronActor
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.plan.model_spec import load_model_spec
 
@@ -294,7 +295,7 @@ def dp_share(batch: dict[str, torch.Tensor], by_length: bool) -> dict[str, torch
     trainer deals one mini-batch: in order, or by length for dynamic batch size."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.runtime.actor import dp_shares, response_ends
+    from megatron_bridge.runtime.batch import dp_shares, response_ends
 
     rows = len(batch["input_ids"])
     shares = dp_shares(rows, rows, ps.get_data_parallel_world_size(), response_ends(batch) if by_length else None)

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> tuple[list[dict], object]:
     from recipe.config import load_config
-    from recipe.trainer import Trainer
+    from recipe.driver.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(args.config, [*args.overrides, f"trainer.default_local_dir={run_dir}",

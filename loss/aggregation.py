@@ -19,12 +19,6 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 Count = int | float | torch.Tensor
 
 
-def check_loss_agg_mode(loss_agg_mode: str) -> None:
-    """Raise ValueError unless ``loss_agg_mode`` is one of LOSS_AGG_MODES."""
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
-
-
 def _at_least_one(count: Count) -> Count:
     # An empty (fully masked) batch must give 0, not 0/0 = NaN.
     return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
@@ -80,7 +74,6 @@ def agg_loss(
     A fully masked input gives 0.0. Masked entries of ``loss_mat`` are never
     read, so padding may hold any value, inf/NaN included.
     """
-    check_loss_agg_mode(loss_agg_mode)
     mask = loss_mask.bool()
 
     if loss_agg_mode in ("token-mean", "token-sum"):
@@ -91,10 +84,12 @@ def agg_loss(
 
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = masked_row_mean(loss_mat, mask)
-    else:
+    elif loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq_losses = torch.where(mask, loss_mat, 0.0).sum(-1)
         if loss_agg_mode == "seq-mean-token-sum-norm":
             seq_losses = seq_losses / loss_mask.shape[-1]
+    else:  # configs check the mode when they are read; a direct call with a wrong one ends here
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
     # Empty rows already hold exactly 0 above; they only need leaving out of the count.
     if global_batch_size is None:
         global_batch_size = mask.any(-1).sum()

@@ -32,21 +32,15 @@ def _warn_if_not_paper_agg(loss_mode: str, loss_agg_mode: str) -> None:
     warnings.warn(
         f"policy loss {loss_mode!r} with loss_agg_mode={loss_agg_mode!r}: the GSPO paper uses "
         f"{PAPER_LOSS_AGG_MODE!r} (a mean over sequences); other modes weight sequences differently.",
-        # Points at the caller of compute_policy_loss (helper -> preamble -> mode -> dispatcher -> caller).
-        stacklevel=5,
+        # Points at the caller of compute_policy_loss (helper -> mode -> dispatcher -> caller).
+        stacklevel=4,
     )
 
 
 def _sequence_log_ratio(
-    loss_mode: str,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str,
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shared GSPO preamble: (mask, token log ratio, token advantages, log s_i per row)."""
-    _warn_if_not_paper_agg(loss_mode, loss_agg_mode)
     mask = response_mask.bool()
     log_ratio, advantages = masked_inputs(old_log_prob, log_prob, advantages, mask)
     # |y_i| is clamped to 1 inside masked_row_mean, so an empty row gets s_i = 1, not NaN.
@@ -79,9 +73,7 @@ def compute_policy_loss_gspo(
     row's tokens and aggregated with ``agg_loss``; ``seq-mean-token-mean`` gives
     the paper's mean over sequences. ``clip_ratio_c`` is unused (no dual clip).
     """
-    mask, log_ratio, advantages, seq_log_ratio = _sequence_log_ratio(
-        "gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode
-    )
+    mask, log_ratio, advantages, seq_log_ratio = _sequence_log_ratio(old_log_prob, log_prob, advantages, response_mask)
     seq_loss, seq_clipped = clipped_surrogate(
         masked_row_mean(advantages, mask), _capped_exp(seq_log_ratio), clip_ratio_low, clip_ratio_high
     )
@@ -90,6 +82,7 @@ def compute_policy_loss_gspo(
     # weights then scale each token's copy of L_i.
     loss_mat = apply_rollout_is_weights(seq_loss.unsqueeze(-1).expand_as(log_ratio), rollout_is_weights, mask)
     loss = agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    _warn_if_not_paper_agg("gspo", loss_agg_mode)
     metrics = policy_metrics(
         mask, pg_clipfrac=seq_clipped.unsqueeze(-1).expand_as(mask), ppo_kl=-log_ratio, pg_clipfrac_lower=None
     )
@@ -119,14 +112,13 @@ def compute_policy_loss_gspo_token(
     loss and gradient, while allowing token-level advantages.
     ``clip_ratio_c`` is unused (no dual clip).
     """
-    mask, log_ratio, advantages, seq_log_ratio = _sequence_log_ratio(
-        "gspo_token", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode
-    )
+    mask, log_ratio, advantages, seq_log_ratio = _sequence_log_ratio(old_log_prob, log_prob, advantages, response_mask)
     # Built in log space and capped after the sum, so the cap cuts the gradient
     # exactly when it does in ``gspo`` (the two modes stay equivalent there too).
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (log_ratio - log_ratio.detach())
     loss_mat, clipped = clipped_surrogate(advantages, _capped_exp(token_log_ratio), clip_ratio_low, clip_ratio_high)
     loss_mat = apply_rollout_is_weights(loss_mat, rollout_is_weights, mask)
     loss = agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    _warn_if_not_paper_agg("gspo_token", loss_agg_mode)
     metrics = policy_metrics(mask, pg_clipfrac=clipped, ppo_kl=-log_ratio, pg_clipfrac_lower=None)
     return loss, metrics

@@ -5,7 +5,8 @@ Used as the ``loss_func`` that a forward step hands to megatron's ``forward_back
     output = model(input_ids, position_ids, attention_mask)           # [b, s, V/tp]
     return output, functools.partial(policy_loss_func, cfg, norm, micro_batch)
 
-A micro-batch is a dict of tensors:
+A micro-batch is a dict of tensors (the batch contract is ``megatron_bridge.runtime.batch``'s; this
+hook reads):
 
 - ``input_ids`` [b, s] long: prompt tokens followed by response tokens, right-padded;
 - ``prompt_lengths`` [b] long;

@@ -4,7 +4,7 @@ import inspect
 
 import torch
 
-from .aggregation import Count, check_loss_agg_mode
+from .aggregation import Count
 from .registry import PolicyLossFn, get_policy_loss_fn
 
 
@@ -72,8 +72,6 @@ def compute_policy_loss(
     )
     if weights:
         _check_takes_rollout_is_weights(loss_mode, fn)
-    # Fail before any compute (and before a mode's warnings) on a bad mode string.
-    check_loss_agg_mode(loss_agg_mode)
     return fn(
         old_log_prob,
         log_prob,

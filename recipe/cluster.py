@@ -114,9 +114,9 @@ def _write(path: str, text: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from megatron_bridge.plan.cli import evaluate, print_verdict
+    from megatron_bridge.plan.verdict import evaluate, print_verdict
     from recipe.config import config_to_dict, load_config, model_spec, resolve_path
-    from recipe.worker_group import DEVICE_RESOURCE
+    from recipe.workers.group import DEVICE_RESOURCE
 
     recipe = os.path.abspath(resolve_path("recipe", args.recipe))
     overrides = launcher_overrides(args) + list(args.overrides)

@@ -33,17 +33,18 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, RolloutCorrectionConfig, policy_loss_modes
-from megatron_bridge.runtime.actor import LR_DECAY_STYLES, OptimConfig
+from loss.megatron_hook import ActorLossConfig
+from megatron_bridge.runtime.optim import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
 from megatron_bridge.plan.layout import Layout, layout_from_dict, layout_to_dict, nearest_key
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
-from megatron_bridge.plan.cli import evaluate
+from megatron_bridge.plan.verdict import evaluate
 from megatron_bridge.tiny_model import TINY
+from recipe.rollout import ENGINES, engines_for
 from recipe.verl_compat import check_equal, translate
 
 BUILTIN_TINY = "builtin:tiny"
-ROLLOUT_ENGINE_FOR_DEVICE = {"cpu": "hf", "npu": "vllm", "cuda": "vllm"}
 _LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
 _DERIVED = ("layout", "ignored")  # RecipeConfig fields built while loading, not YAML keys
 
@@ -111,6 +112,8 @@ class ActorConfig:
     use_dynamic_bsz: bool = False  # micro-batches by token budget instead of by rows
     ppo_max_token_len_per_gpu: int = 16384  # that budget: padded tokens per micro-batch (x context parallel)
     ppo_epochs: int = 1
+    # the loss keys, with verl's defaults (the algo fragments set them); RecipeConfig.actor_loss hands them
+    # to the loss hook whole. loss.megatron_hook.ActorLossConfig's own defaults are GSPO's, for direct use.
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
@@ -263,6 +266,18 @@ class RecipeConfig:
         """A reference model is built: KL to it in the loss or in the reward."""
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def actor_loss(self) -> ActorLossConfig:
+        """The loss hook's settings: the actor's loss keys, and the rollout's temperature (the actor
+        divides its logits by it, as the engine did when sampling)."""
+        a = self.actor_rollout_ref.actor
+        return ActorLossConfig(
+            loss_mode=a.policy_loss.loss_mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss,
+            kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
+            temperature=self.actor_rollout_ref.rollout.temperature,
+        )
+
 
 # ---- value rules (by dotted key; types come from the annotations) ----------------------------
 
@@ -304,7 +319,7 @@ def one_of(choices: Iterable[str] | Callable[[], Iterable[str]]) -> Rule:
 POSITIVE = at_least(1)
 TRUNCATIONS = ("error", "left", "right")
 DTYPES = ("bfloat16", "float32")
-ROLLOUT_NAMES = ("auto", "hf", "vllm")
+ROLLOUT_NAMES = ("auto", *ENGINES)
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "swanlab", "wandb")
 REWARD_MANAGERS = ("naive", "dapo")
@@ -680,13 +695,14 @@ def _interpolate(data: dict, name: str) -> dict:
 
 def _resolve_rollout_engine(cfg: RecipeConfig, name: str) -> RecipeConfig:
     device = cfg.layout.cluster.device
-    engine = ROLLOUT_ENGINE_FOR_DEVICE[device]
+    runs_here = engines_for(device)
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name not in ("auto", engine):
+    if rollout.name not in ("auto", *runs_here):
         raise ConfigError(
             f"{name}: actor_rollout_ref.rollout.name={rollout.name!r} does not run on trainer.device={device!r}; "
-            f"use {engine!r} or 'auto'"
+            f"use {' or '.join(map(repr, runs_here))} or 'auto'"
         )
+    engine = runs_here[0] if rollout.name == "auto" else rollout.name
     arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(rollout, name=engine))
     ignored = cfg.ignored + tuple(f"{_ROLLOUT}.engine_kwargs.{k} (the {engine} engine takes no such arguments)"
                                   for k in rollout.engine_kwargs if k != engine)

@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None, algo: str | None = None) -> int:
     args = parse_args(argv, algo)
     from megatron_bridge.errors import ConfigError
     from recipe.config import load_config
-    from recipe.data import DataError
-    from recipe.loggers import LoggerError
+    from recipe.data.dataset import DataError
+    from recipe.tracking.loggers import LoggerError
     from recipe.reward import RewardError
-    from recipe.worker_group import ClusterError, WorkerDiedError
+    from recipe.workers.group import ClusterError, WorkerDiedError
 
     user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, FileNotFoundError)
     try:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None, algo: str | None = None) -> int:
         cfg = load_config(args.config, overrides)
         if cfg.ignored:
             print("verl keys with no effect here: " + "; ".join(cfg.ignored), file=sys.stderr)
-        from recipe.trainer import train
+        from recipe.driver.trainer import train
 
         train(cfg)
     except user_errors as e:

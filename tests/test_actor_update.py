@@ -60,7 +60,8 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_to
     from megatron.core import parallel_state as ps
 
     from loss.megatron_hook import policy_loss_func
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.weights.export import local_hf_slices
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.plan.model_spec import load_model_spec
@@ -224,7 +225,8 @@ def _edge_step(rank, world_size, checkpoint, batch, loss_name):
     from functools import partial
 
     from loss.megatron_hook import policy_loss_func
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.plan.model_spec import load_model_spec
 
@@ -270,7 +272,8 @@ def _epochs(rank, world_size, checkpoint, batch, optim_kwargs):
     from functools import partial
 
     from loss.megatron_hook import policy_loss_func
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.plan.model_spec import load_model_spec
 
@@ -327,7 +330,8 @@ def _log_probs(rank, world_size, checkpoint, batch, train_kwargs, micro_batch_si
     from functools import partial
 
     from loss.megatron_hook import log_prob_func
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.plan.model_spec import load_model_spec
 

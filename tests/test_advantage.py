@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from recipe.advantage import grpo_advantages, token_advantages
+from recipe.driver.advantage import grpo_advantages, token_advantages
 
 EPS = 1e-6
 
@@ -88,7 +88,7 @@ def test_token_advantages_shape_mismatch():
 
 
 def test_fixed_and_adaptive_kl_controllers_by_hand():
-    from recipe.advantage import KLController
+    from recipe.driver.advantage import KLController
 
     fixed = KLController("fixed", 0.1, target_kl=0.05, horizon=100)
     fixed.update(kl=1.0, n=10)
@@ -105,7 +105,7 @@ def test_fixed_and_adaptive_kl_controllers_by_hand():
 
 
 def test_kl_in_reward_by_hand():
-    from recipe.advantage import KLController, kl_in_reward
+    from recipe.driver.advantage import KLController, kl_in_reward
 
     scores = torch.tensor([1.0, -1.0])
     log_probs = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
@@ -121,7 +121,7 @@ def test_kl_in_reward_by_hand():
 
 
 def test_varying_groups_keeps_groups_that_differ_or_have_one_sample():
-    from recipe.advantage import varying_groups
+    from recipe.driver.advantage import varying_groups
 
     values = torch.tensor([1.0, 1.0, 1.0, 0.0, 5.0, -1.0, -1.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 3, 3])
@@ -132,7 +132,7 @@ def test_run_length_and_warmup_from_ratio():
     import dataclasses
 
     from recipe.config import load_config
-    from recipe.trainer import run_length, with_warmup_from_ratio
+    from recipe.driver.trainer import run_length, with_warmup_from_ratio
 
     assert run_length(10, None, 7) == 10
     assert run_length(None, 3, 7) == 21

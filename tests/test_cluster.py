@@ -13,7 +13,7 @@ from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.mc2 import Mc2Plan
 from recipe.cluster import join_report, launcher_overrides, main, runtime_env
 from recipe.config import load_config
-from recipe.worker_group import ClusterError, pick_nodes
+from recipe.workers.group import ClusterError, pick_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 MC2 = REPO / "configs/runtime_env/mc2.yaml"

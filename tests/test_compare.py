@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_bridge.errors import ConfigError
-from recipe.compare import VARIANT_FILE, finished, plan_runs, variant_overrides
-from recipe.loggers import read_jsonl
+from recipe.compare.runs import VARIANT_FILE, finished, plan_runs, variant_overrides
+from recipe.tracking.loggers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

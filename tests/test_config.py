@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from megatron_bridge.runtime.actor import OptimConfig
+from megatron_bridge.runtime.optim import OptimConfig
 from megatron_bridge.errors import ConfigError
 from recipe.config import (
     CONFIGS_DIR,

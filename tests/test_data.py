@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from recipe.data import BatchSampler, DataError, PromptDataset, val_batches
+from recipe.data.dataset import BatchSampler, DataError, PromptDataset, val_batches
 
 TEMPLATE = "{% for m in messages %}<|{{m.role}}|>{{m.content}}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 <>|?+="

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe.loggers import read_jsonl
+from recipe.tracking.loggers import read_jsonl
 from tests.distributed import free_port
 from tests.test_recipe_e2e import stable
 

@@ -126,7 +126,8 @@ def _run_layout(train: TrainParallel, checkpoint: str, batch: dict, reference) -
     from megatron.core import parallel_state as ps
 
     from loss.megatron_hook import policy_loss_func
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.verify import sharded_log_probs
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from recipe.loggers import LOGGERS, LoggerError, Tracking, ascii_curve, read_jsonl
+from recipe.tracking.loggers import LOGGERS, LoggerError, Tracking, ascii_curve, read_jsonl
 
 
 def _tracking(run_dir, loggers=(), resume=False):

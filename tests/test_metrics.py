@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from recipe import metrics
-from recipe.metrics import (
+from recipe.tracking import metrics
+from recipe.tracking.metrics import (
     Timer,
     data_metrics,
     mean_metrics,

@@ -78,7 +78,8 @@ def _offload_round_trips(rank, world_size, checkpoint, batches, train_kwargs):
 
     from loss.megatron_hook import log_prob_func, policy_loss_func
     from megatron_bridge.plan.model_spec import load_model_spec
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
 
     train = TrainParallel(**train_kwargs)
@@ -165,7 +166,8 @@ def _device_memory(rank, world_size, checkpoint, batch):
 
     from loss.megatron_hook import policy_loss_func
     from megatron_bridge.plan.model_spec import load_model_spec
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.runtime.platform import active
 

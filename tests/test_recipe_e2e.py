@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe.loggers import read_jsonl
+from recipe.tracking.loggers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"gspo": "configs/recipe/tiny_gspo.yaml", "grpo": "configs/recipe/tiny_grpo.yaml"}
@@ -180,7 +180,7 @@ def local_ray():
 
 def _trainer(tmp_path: Path, name: str, overrides: list[str]):
     from recipe.config import load_config
-    from recipe.trainer import Trainer
+    from recipe.driver.trainer import Trainer
 
     cfg = load_config(str(REPO / TINY["gspo"]), [f"trainer.default_local_dir={tmp_path / name}",
                                                   "trainer.val_before_train=false", "trainer.save_freq=-1",
@@ -236,7 +236,7 @@ def split_tolerances(metrics: dict, cfg) -> dict[str, float]:
 def test_a_dead_worker_is_named(tmp_path, local_ray):
     import ray
 
-    from recipe.worker_group import WorkerDiedError
+    from recipe.workers.group import WorkerDiedError
 
     trainer = _trainer(tmp_path, "dead", [])
     try:
@@ -267,7 +267,7 @@ def test_reward_function_error_names_the_sample(tmp_path, local_ray):
 
 
 def _dp_rows(dp_size: int, dynamic: bool, ends: list[int], mini: int) -> list[list[int]]:
-    from recipe.trainer import Trainer
+    from recipe.driver.trainer import Trainer
 
     t = Trainer.__new__(Trainer)
     t.dp_size, t.dynamic_batches = dp_size, dynamic

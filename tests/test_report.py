@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from recipe import report
-from recipe.report import PLOTS, ReportError, Rule, group_runs, instability_step, load_run, metric_figure, write_report
+from recipe.compare import report
+from recipe.compare.report import PLOTS, ReportError, Rule, group_runs, instability_step, load_run, metric_figure, write_report
 
 SCORE, VAL, GRAD = "critic/score/mean", "val/score/mean", "actor/grad_norm"
 CLIP, DRIFT, DIFF, TIME = ("actor/pg_clipfrac", "moe/routing_drift/slot_frac", "training/rollout_probs_diff_mean",
@@ -286,7 +286,7 @@ def _tiny_run(path, variant="tiny", seed=0):
 
 def test_report_only_command_exit_codes(tmp_path, capsys):
     """``python -m recipe.compare RUN_DIR ... --out DIR``: the report of finished runs."""
-    from recipe import compare
+    from recipe.compare import runs as compare
 
     run = _tiny_run(tmp_path / "run")
     assert compare.main([run, "--out", str(tmp_path / "report")]) == 0

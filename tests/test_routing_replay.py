@@ -106,11 +106,13 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
     from megatron.core import parallel_state as ps
 
     from loss.megatron_hook import log_prob_func, policy_loss_func
-    from megatron_bridge.moe.routing import ROUTED_EXPERTS, RoutingTap
+    from megatron_bridge.moe.routing import RoutingTap
+    from megatron_bridge.runtime.batch import ROUTED_EXPERTS
     from megatron_bridge.moe.table import merge_records, routing_change
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.plan.model_spec import load_model_spec
-    from megatron_bridge.runtime.actor import MegatronActor, OptimConfig, initialize_parallel
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.weights.export import local_hf_slices
 
@@ -257,7 +259,7 @@ def test_r3_replays_the_rollout_engines_routing(checkpoints, tmp_path):
     and replayed by model B, it gives transformers' B forced to the engine's routing."""
     from recipe.rollout.base import SamplingParams
     from recipe.rollout.hf_engine import HFEngine
-    from recipe.routing import rollout_routing
+    from recipe.driver.routing import rollout_routing
 
     ckpt_a, ckpt_b = checkpoints
     engine = HFEngine(ckpt_a, load_from_checkpoint=True, return_routed_experts=True)

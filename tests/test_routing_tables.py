@@ -13,7 +13,8 @@ from megatron_bridge.moe.table import (
     merge_records,
     routing_change,
 )
-from recipe.routing import replay_source, rollout_routing, routing_metrics, token_mask
+from megatron_bridge.runtime.batch import token_mask
+from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
 
 
 def table(rows):

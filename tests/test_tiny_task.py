@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from loss.policy import compute_policy_loss
 from megatron_bridge.weights.hf_checkpoint import HFCheckpoint
-from recipe import tiny_task
-from recipe.advantage import grpo_advantages, token_advantages
+from recipe.data import tiny_task
+from recipe.driver.advantage import grpo_advantages, token_advantages
 from recipe.reward.math_dapo import compute_score
 from recipe.rollout.base import SamplingParams
 from recipe.rollout.hf_engine import HFEngine

@@ -28,9 +28,7 @@ from typing import Iterator
 import torch
 
 from megatron_bridge.moe.table import NONE, ROUTING_DTYPE, RoutingRecord, changed_slots, empty_routing
-from megatron_bridge.runtime.actor import ROW_INDEX, response_ends
-
-ROUTED_EXPERTS = "routed_experts"  # batch key: [rows, width, layers, k] expert ids to replay, -1: keep the router's
+from megatron_bridge.runtime.batch import RESPONSE_ENDS, ROUTED_EXPERTS, ROW_INDEX
 
 
 _wrapped = False
@@ -180,12 +178,13 @@ class RoutingTap:
 
     @contextlib.contextmanager
     def micro_batch(self, micro_batch: dict[str, torch.Tensor], seq_len: int) -> Iterator[None]:
-        """Around one micro-batch's model call (``micro_batch`` padded to ``seq_len``)."""
+        """Around one micro-batch's model call (``micro_batch`` as the actor cuts it, padded to
+        ``seq_len``, with its rows' ``row_index`` and ``response_ends``)."""
         if self._pass is None:
             yield
             return
 
-        ends = response_ends(micro_batch)
+        ends = micro_batch[RESPONSE_ENDS]
         positions = slice(0, seq_len)
         if self.sequence_parallel:
             from megatron.core import parallel_state as ps

@@ -1,3 +1,4 @@
 """Planning a layout before a single process starts: model shapes (``model_spec``), layouts
-(``layout``), pipeline stages, the validator, memory and MC2 estimates and the ``plan`` command
-(``cli``). Nothing here imports megatron."""
+(``layout``), what each platform is (``platforms``), pipeline stages, the validator, memory and MC2
+estimates, a layout's verdict (``verdict``), the search for layouts (``search``) and the ``plan``
+command (``cli``). Nothing here imports megatron."""

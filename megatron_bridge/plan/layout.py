@@ -24,8 +24,8 @@ import yaml
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
+from megatron_bridge.plan.platforms import PLATFORMS
 
-DEVICES = ("npu", "cuda", "cpu")
 NPU_KINDS = ("a2", "a3")
 
 
@@ -216,8 +216,8 @@ def layout_from_dict(data: Mapping[str, Any], name: str) -> Layout:
         rollout=_typed(RolloutParallel, _pick(rollout, _ROLLOUT_KEYS), f"{name}: actor_rollout_ref.rollout"),
         cluster=_typed(Cluster, _pick(cluster, _CLUSTER_KEYS), f"{name}: trainer"),
     )
-    if layout.cluster.device not in DEVICES:
-        raise ConfigError(f"{name}: trainer.device={layout.cluster.device!r}; choose one of {', '.join(DEVICES)}")
+    if layout.cluster.device not in PLATFORMS:
+        raise ConfigError(f"{name}: trainer.device={layout.cluster.device!r}; choose one of {', '.join(PLATFORMS)}")
     if layout.cluster.npu_kind not in (None, *NPU_KINDS):
         raise ConfigError(f"{name}: trainer.npu_kind={layout.cluster.npu_kind!r}; choose one of {', '.join(NPU_KINDS)}")
     if not 0 < layout.rollout.gpu_memory_utilization < 1:

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.model_spec import ModelSpec
-from megatron_bridge.runtime.platform import PLATFORMS
+from megatron_bridge.plan.platforms import PLATFORMS
 from megatron_bridge.plan.stages import layers_per_stage
 
 

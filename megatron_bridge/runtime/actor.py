@@ -8,56 +8,34 @@ splitting the batch into micro-batches with one padded length, the global normal
 the pipeline schedule, gradient finalisation, and a step that is skipped when the gradient is not
 finite.
 
-Batch convention (a dict of tensors, this DP rank's rows): ``input_ids`` [B, S] = prompt then
-response, right-padded; ``prompt_lengths`` [B]; ``response_mask`` [B, R] over the response window;
-any other [B, ...] tensors the loss hook needs. Every rank of one DP replica gets the same rows.
-Micro-batches also carry ``row_index`` [b], each row's index in the batch of the pass.
+Batches follow ``megatron_bridge.runtime.batch`` (this DP rank's rows); every rank of one DP
+replica gets the same rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, ContextManager, Iterator
 
 import torch
 
 from loss.megatron_hook import MiniBatchNorm
+from megatron_bridge.runtime.batch import (
+    INPUT_IDS,
+    POSITION_IDS,
+    RESPONSE_ENDS,
+    RESPONSE_MASK,
+    ROW_INDEX,
+    response_ends,
+)
+from megatron_bridge.runtime.optim import OptimConfig
 from megatron_bridge.plan.layout import TrainParallel
 from megatron_bridge.weights.load import LoadReport, load_hf_checkpoint
 from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 from megatron_bridge.runtime.offload import HostCopy, training_storages
 from megatron_bridge.plan.model_spec import ModelSpec
-
-LR_DECAY_STYLES = ("constant", "cosine")
-ROW_INDEX = "row_index"  # micro-batch key: the rows' indices in the pass's batch
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Adam with linear warmup, then a constant or cosine LR (verl's ``actor.optim`` keys)."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_steps: int | None = None  # cosine: optimizer steps from start to min_lr
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-
-    def __post_init__(self):
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style={self.lr_decay_style!r}; choose one of {', '.join(LR_DECAY_STYLES)}")
-        if self.lr_decay_style == "cosine" and not self.lr_decay_steps:
-            raise ValueError("lr_decay_style='cosine' needs lr_decay_steps (the number of optimizer steps)")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
-
 
 def initialize_parallel(train: TrainParallel, seed: int = 1234) -> None:
     """Megatron's process groups for ``train`` (torch.distributed must be up, platform active)."""
@@ -77,36 +55,10 @@ def initialize_parallel(train: TrainParallel, seed: int = 1234) -> None:
 
 
 def split_rows(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
-    rows = len(batch["input_ids"])
+    rows = len(batch[INPUT_IDS])
     if rows % size:
         raise ValueError(f"{rows} rows do not split into batches of {size}")
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
-
-
-def dp_shares(rows: int, mini_batch_rows: int, dp_size: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Row indices of each DP rank: each global mini-batch is dealt out whole, so mini-batch m
-    holds the same rows whatever the DP size (DP-invariant update). Rank d takes the d-th slice;
-    given the rows' ``lengths`` (dynamic batch size) they go longest first in snake order (0..D-1,
-    D-1..0, ...), so every rank gets as many long rows and cuts into similar micro-batches."""
-    per_rank = mini_batch_rows // dp_size
-    index = torch.arange(rows).reshape(rows // mini_batch_rows, dp_size, per_rank)
-    if lengths is not None:
-        longest_first = torch.argsort(lengths.reshape(-1, mini_batch_rows), dim=1, descending=True, stable=True)
-        backwards = torch.arange(per_rank)[:, None] % 2 == 1  # odd rounds deal backwards
-        ranks = torch.where(backwards, torch.arange(dp_size).flip(0), torch.arange(dp_size))  # [round, D]
-        slots = (ranks * per_rank + torch.arange(per_rank)[:, None]).reshape(-1)  # deal p -> slot in a mini-batch
-        index = torch.empty_like(index).view(-1, mini_batch_rows)
-        index[:, slots] = longest_first + torch.arange(0, rows, mini_batch_rows)[:, None]
-        index = index.view(rows // mini_batch_rows, dp_size, per_rank)
-    return [index[:, d].reshape(-1) for d in range(dp_size)]
-
-
-def response_ends(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per row: prompt length + index past the last valid response token."""
-    mask = batch["response_mask"].bool()
-    width = mask.shape[1]
-    last = width - torch.flip(mask, dims=[1]).int().argmax(dim=1)
-    return batch["prompt_lengths"] + torch.where(mask.any(dim=1), last, 0)
 
 
 class MegatronActor:
@@ -229,12 +181,13 @@ class MegatronActor:
         every rank for the allgather dispatcher's equal-size gathers and the pipeline's p2p."""
         self._require_on_device()
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        ends = response_ends(batch).clamp(min=1)
+        ends = response_ends(batch)
+        lengths_of_rows = ends.clamp(min=1)
         multiple = self.train.tp
         if max_tokens is None:
-            length = ends.max().reshape(1)
+            length = lengths_of_rows.max().reshape(1)
             torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
-            rows = torch.arange(len(ends), device=self.device)
+            rows = torch.arange(len(lengths_of_rows), device=self.device)
             groups = [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
             if len(rows) % micro_batch_size:
                 raise ValueError(f"{len(rows)} rows do not split into batches of {micro_batch_size}")
@@ -244,22 +197,23 @@ class MegatronActor:
                 raise ValueError("a token budget cuts micro-batches of different lengths, which the pipeline's p2p "
                                  "cannot send with this MoE dispatcher (megatron's variable_seq_lengths is off for "
                                  "allgather): use pipeline_model_parallel_size=1 or micro-batches by rows")
-            order = torch.argsort(ends, descending=True, stable=True)
-            longest = ends[order]
+            order = torch.argsort(lengths_of_rows, descending=True, stable=True)
+            longest = lengths_of_rows[order]
             torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
             # the interleaved schedule takes micro-batches in groups of PP
             runs = token_budget_runs(longest.tolist(), max_tokens, multiple, self.train.pp if self.train.vpp else 1)
             groups = [order[start:end] for start, end in runs]
             lengths = [int(longest[start]) for start, _ in runs]
-        return [_padded(batch, rows, math.ceil(length / multiple) * multiple) for rows, length in zip(groups, lengths)]
+        return [_padded(batch, rows, math.ceil(length / multiple) * multiple, ends)
+                for rows, length in zip(groups, lengths)]
 
     def _run(self, micro_batches: list, loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
-            with self.forward_context(mb, mb["input_ids"].shape[1]):
-                output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
+            with self.forward_context(mb, mb[INPUT_IDS].shape[1]):
+                output = model(input_ids=mb[INPUT_IDS], position_ids=mb[POSITION_IDS], attention_mask=None)
             return output, partial(loss_fn, mb)
 
         iterators = [iter(micro_batches) for _ in self.chunks]
@@ -269,8 +223,8 @@ class MegatronActor:
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
             num_microbatches=len(micro_batches),
             # the p2p shapes; micro-batches of other lengths need config.variable_seq_lengths
-            seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
-            micro_batch_size=len(micro_batches[0]["input_ids"]),
+            seq_length=max(mb[INPUT_IDS].shape[1] for mb in micro_batches),
+            micro_batch_size=len(micro_batches[0][INPUT_IDS]),
             forward_only=forward_only,
         )
 
@@ -312,7 +266,7 @@ class MegatronActor:
             raise RuntimeError("no optimizer: build with an OptimConfig (a reference model does not train) and load "
                                "weights with load_hf() first")
         micro_batches = self.micro_batches(batch, micro_batch_size, max_tokens)
-        mask = batch["response_mask"].bool()
+        mask = batch[RESPONSE_MASK].bool()
         counts = torch.tensor([mask.sum(), mask.any(dim=1).sum()], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
         norm = MiniBatchNorm(self.dp_size, len(micro_batches), int(counts[0]), int(counts[1]))
@@ -389,14 +343,15 @@ def token_budget_runs(lengths: list[int], max_tokens: int, multiple: int, runs_m
     return runs
 
 
-def _padded(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int) -> dict[str, torch.Tensor]:
-    """The batch's ``rows`` with their tokens cut or right-padded to ``seq_len``, positions and row indices."""
+def _padded(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, ends: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch's ``rows`` with their tokens cut or right-padded to ``seq_len``, positions, row
+    indices and response ends (``ends``: the batch's)."""
     part = {k: v[rows] for k, v in batch.items()}
-    ids = part["input_ids"][:, :seq_len]
+    ids = part[INPUT_IDS][:, :seq_len]
     if ids.shape[1] < seq_len:
         ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]))
     positions = torch.arange(seq_len, device=ids.device).expand_as(ids)
-    return {**part, "input_ids": ids, "position_ids": positions, ROW_INDEX: rows}
+    return {**part, INPUT_IDS: ids, POSITION_IDS: positions, ROW_INDEX: rows, RESPONSE_ENDS: ends[rows]}
 
 
 def _optimizers(optimizer) -> list:

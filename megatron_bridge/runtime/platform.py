@@ -1,5 +1,6 @@
 """Pick the platform before megatron is imported: ``npu`` (torch_npu + MindSpeed, hccl),
-``cuda`` (nccl) or ``cpu`` (gloo, tests and the tiny default only).
+``cuda`` (nccl) or ``cpu`` (gloo, tests and the tiny default only); what each one is
+(``megatron_bridge.plan.platforms``) the planner reads too.
 
 An explicitly requested accelerator that is not there is an error, never a silent CPU run.
 The choice comes from the argument, else ``$MOE_RL_PLATFORM``, else detection.
@@ -11,29 +12,13 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 
 from megatron_bridge.errors import ConfigError
+from megatron_bridge.plan.platforms import PLATFORMS, Platform
 
 PLATFORM_ENV = "MOE_RL_PLATFORM"
-
-
-@dataclass(frozen=True)
-class Platform:
-    name: str  # npu | cuda | cpu
-    backend: str  # torch.distributed backend
-    rollout_engine: str  # vllm_ascend | vllm | hf
-    # Context parallel needs TE's or MindSpeed's attention; megatron's local attention asserts CP == 1.
-    supports_context_parallel: bool
-
-
-PLATFORMS = {
-    "npu": Platform("npu", "hccl", "vllm_ascend", supports_context_parallel=True),
-    "cuda": Platform("cuda", "nccl", "vllm", supports_context_parallel=True),
-    "cpu": Platform("cpu", "gloo", "hf", supports_context_parallel=False),
-}
 
 _active: Platform | None = None
 

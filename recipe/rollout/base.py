@@ -11,9 +11,11 @@ compared token by token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import torch
+
+from megatron_bridge.plan.layout import RolloutParallel
 
 WeightStream = Iterable[tuple[str, torch.Tensor]]  # (HF checkpoint name as on the Hub, full tensor)
 
@@ -79,6 +81,20 @@ class Generation:
     # with routing reported: per response, [prompt + response - 1 tokens, layers, k] int16 expert ids,
     # ascending, from the first prompt token on; the last response token is never fed to the model
     routed_experts: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What an engine is built from (``recipe.rollout.ENGINES``); each takes what it uses."""
+
+    model_dir: str
+    dtype: torch.dtype
+    platform: str  # npu | cuda | cpu
+    rollout: RolloutParallel  # TP / DP / EP and memory share
+    max_model_len: int  # prompt + response tokens
+    seed: int
+    return_routed_experts: bool  # report each token's experts (R3, the routing mismatch metrics)
+    engine_kwargs: Mapping[str, Any] | None  # the engine's own further arguments
 
 
 @dataclass

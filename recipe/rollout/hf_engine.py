@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
 from typing import Sequence
 
 import torch
@@ -42,6 +41,7 @@ from transformers import (
 
 from megatron_bridge.moe.hf_routing import HFRoutingRecorder
 from recipe.rollout.base import (
+    EngineArgs,
     Generation,
     LoadStats,
     SamplingParams,
@@ -247,6 +247,12 @@ class HFEngine:
         if self.device.type != "cpu":
             self.model.to(self.device)
         self._asleep = False
+
+
+def build(args: EngineArgs) -> HFEngine:
+    """``recipe.rollout.ENGINES``'s entry: one process, no parallelism, no further arguments."""
+    device = "cpu" if args.platform == "cpu" else torch.device(args.platform, torch.cuda.current_device())
+    return HFEngine(args.model_dir, dtype=args.dtype, device=device, return_routed_experts=args.return_routed_experts)
 
 
 def _hub_slots(model: Qwen3MoeForCausalLM) -> dict[str, _Slot]:

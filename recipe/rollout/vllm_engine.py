@@ -47,6 +47,7 @@ import torch
 from megatron_bridge.plan.layout import RolloutParallel
 from megatron_bridge.plan.model_spec import load_hf_config
 from recipe.rollout.base import (
+    EngineArgs,
     Generation,
     LoadStats,
     SamplingParams,
@@ -482,3 +483,10 @@ class VLLMEngine:
         for tag in tags:
             self.llm.wake_up(tags=[tag])
             self._asleep.discard(tag)
+
+
+def build(args: EngineArgs) -> VLLMEngine:
+    """``recipe.rollout.ENGINES``'s entry."""
+    return VLLMEngine(args.model_dir, args.rollout, platform=args.platform, dtype=args.dtype,
+                      max_model_len=args.max_model_len, seed=args.seed,
+                      return_routed_experts=args.return_routed_experts, engine_kwargs=args.engine_kwargs)

@@ -8,7 +8,7 @@ finished run directories as above.
 
 What it reads, per run directory:
 
-- ``metrics.jsonl`` (``recipe.loggers``): ``{"step": k, "<metric>": value, ...}`` a line; records
+- ``metrics.jsonl`` (``recipe.tracking.loggers``): ``{"step": k, "<metric>": value, ...}`` a line; records
   of the same step are merged (the later value of a key wins). Step 0 may hold only ``val/``
   metrics; a run's *steps* are the steps that log any other metric.
 - ``variant.json`` = ``{"variant": "<name>", "seed": <int or null>}`` when present; without it the
@@ -72,7 +72,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from recipe.loggers import METRICS_FILE, read_jsonl
+from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
 SCORE = "critic/score/mean"
 VAL_SCORE = "val/score/mean"

@@ -1,5 +1,5 @@
-"""Ray plumbing: one ``recipe.worker.Worker`` per device, placed node by node with placement groups,
-and calls to all of them that turn a dead worker into a message naming it."""
+"""Ray plumbing: one ``recipe.workers.colocated.Worker`` per device, placed node by node with
+placement groups, and calls to all of them that turn a dead worker into a message naming it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_bridge.plan.layout import Layout
-from recipe.worker import RankInfo, Worker
+from recipe.workers.colocated import RankInfo, Worker
 
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
 DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}

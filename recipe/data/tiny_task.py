@@ -2,8 +2,8 @@
 RL in minutes on two CPU cores.
 
 This module owns the task's character-level tokenizer and chat template, the task and its
-verl-format parquet rows, the short supervised warm-up, and the cached build of all of it
-(``prepare_builtin``).
+verl-format parquet rows, the short supervised warm-up, the cached build of all of it
+(``prepare_builtin``) and what ``builtin:tiny`` in a recipe stands for (``resolve_builtin``).
 
 The task: ``after 3?`` is answered ``Answer: 4``. Answers use DAPO's format (``data_source``
 ``math_dapo``), so the real DAPO reward scores them: +1 right, -1 wrong. The warm-up teaches the
@@ -33,7 +33,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 
 from megatron_bridge.tiny_model import TINY, tiny_hf_model
-from recipe.loggers import progress_bar
+from recipe.config import BUILTIN_TINY, RecipeConfig
+from recipe.tracking.loggers import progress_bar
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
@@ -342,3 +343,19 @@ def prepare_builtin(cache_dir: str | os.PathLike, seed: int = 0, *, warmup_steps
         f"{TRAIN_ROWS} train / {VAL_ROWS} val rows)"
     )
     return task
+
+
+def cache_dir() -> str:
+    return os.environ.get("MOE_RL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "moe_rl"))
+
+
+def resolve_builtin(cfg: RecipeConfig) -> tuple[str, list[str], list[str]]:
+    """The model dir and data files, with ``builtin:tiny`` replaced by the built-in task's."""
+    model, train, val = cfg.actor_rollout_ref.model.path, list(cfg.data.train_files), list(cfg.data.val_files)
+    if BUILTIN_TINY in (model, *train, *val):
+        shape = (cfg.actor_rollout_ref.model.config or TINY) if model == BUILTIN_TINY else TINY
+        task = prepare_builtin(cache_dir(), seed=0, model=shape)
+        model = task.model_dir if model == BUILTIN_TINY else model
+        train = [task.train_file if f == BUILTIN_TINY else f for f in train]
+        val = [task.val_file if f == BUILTIN_TINY else f for f in val]
+    return model, train, val

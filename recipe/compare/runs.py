@@ -14,7 +14,7 @@ first step of every variant sees the same prompts and samples the same responses
 Runs go one after another into ``OUT/<variant>/seed_<s>`` with ``variant.json``; a finished run
 (its last step logged) is not run again and an interrupted one resumes from its last checkpoint,
 so re-running the same command completes a comparison. Then ``OUT/report`` is written
-(``recipe.report``: report.md, plots, summary.json). Overrides apply to every variant; the
+(``recipe.compare.report``: report.md, plots, summary.json). Overrides apply to every variant; the
 variant's own keys come last.
 """
 
@@ -74,8 +74,8 @@ def plan_runs(out: str, variants: list[str], seeds: list[int], overrides: list[s
 def finished(run: Run) -> bool:
     """The run logged its last step (its length is in provenance.json from its start). A run dir
     made with other settings is refused."""
-    from recipe.loggers import METRICS_FILE, read_jsonl
-    from recipe.trainer import PROVENANCE_FILE
+    from recipe.tracking.loggers import METRICS_FILE, read_jsonl
+    from recipe.driver.checkpoint import PROVENANCE_FILE
 
     marker = os.path.join(run.directory, VARIANT_FILE)
     if not os.path.isfile(marker):
@@ -99,7 +99,7 @@ def finished(run: Run) -> bool:
 def run_comparison(config: str, variants: list[str], seeds: list[int], out: str, overrides: list[str]) -> list[Run]:
     """Check every run's config first, then train the runs that are not finished."""
     from recipe.config import load_config
-    from recipe.trainer import train
+    from recipe.driver.trainer import train
 
     runs = plan_runs(out, variants, seeds, overrides)
     configs = [load_config(config, list(run.overrides)) for run in runs]  # every error before anything runs
@@ -151,11 +151,11 @@ def _seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from recipe.data import DataError
-    from recipe.loggers import LoggerError
-    from recipe.report import ReportError, Rule, write_report
+    from recipe.data.dataset import DataError
+    from recipe.tracking.loggers import LoggerError
+    from recipe.compare.report import ReportError, Rule, write_report
     from recipe.reward import RewardError
-    from recipe.worker_group import ClusterError, WorkerDiedError
+    from recipe.workers.group import ClusterError, WorkerDiedError
 
     user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, FileNotFoundError,
                    ReportError)

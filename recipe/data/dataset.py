@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import torch
 from jinja2 import TemplateError
 
-from recipe.loggers import progress_bar
+from recipe.tracking.loggers import progress_bar
 
 TRUNCATIONS = ("error", "left", "right")
 _PROGRESS_MIN_ROWS = 1000  # below this, tokenising is quick enough to not need a progress bar

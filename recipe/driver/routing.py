@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bridge.moe.table import RoutingRecord, empty_routing, expert_counts, routing_change
-from megatron_bridge.runtime.actor import response_ends
-from recipe.metrics import moe_load_metrics
+from recipe.tracking.metrics import moe_load_metrics
 
 
 def rollout_routing(routed_experts: list[torch.Tensor] | None, width: int) -> torch.Tensor | None:
@@ -29,11 +28,6 @@ def replay_source(rollout: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """R3's experts for the training forwards: the rollout's where it reported them, else what the
     old-log-prob pass used there (its own choice, at positions whose routing the loss never reads)."""
     return torch.where((rollout >= 0).all(-1, keepdim=True), rollout, old)
-
-
-def token_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[rows, width] bool: the positions the model reads (prompt and response, not the padding)."""
-    return torch.arange(batch["input_ids"].shape[1]) < response_ends(batch)[:, None]
 
 
 def routing_metrics(old: RoutingRecord, valid: torch.Tensor, num_experts: int, rollout: torch.Tensor | None,

@@ -1,0 +1,142 @@
+"""A layout's verdict for a model and cluster: every violated rule, the memory per device and the
+MC2 facts (``evaluate``), as text or JSON. What ``python -m megatron_bridge.plan check`` prints and
+what the recipe checks its layout with before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_bridge.plan import mc2, memory
+from megatron_bridge.plan.layout import Layout
+from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.plan.validate import Violation, notes, validate
+
+
+@dataclass
+class Verdict:
+    layout: Layout
+    violations: list[Violation]
+    memory: memory.MemoryReport | None
+    mc2: mc2.Mc2Plan | None
+    notes: list[str]
+
+    @property
+    def valid(self) -> bool:
+        return not self.violations
+
+
+def memory_violations(report: memory.MemoryReport) -> list[Violation]:
+    out = []
+    gib = lambda b: f"{b / memory.GIB:.1f} GiB"  # noqa: E731
+    if report.train_fits is False:
+        out.append(Violation(
+            "memory.train_fits",
+            f"training needs about {gib(report.train_peak)} per device on pipeline stage {report.pp_rank} "
+            f"(weights, grads, optimizer {gib(report.static.total)} exact; activations, logits and routing ids "
+            f"{gib(report.activations + report.logits + report.routing)} estimated) but the device has {gib(report.device_bytes)}; "
+            "raise PP or EP, turn on full recompute, or use more devices",
+        ))
+    if report.rollout_fits is False:
+        out.append(Violation(
+            "memory.rollout_fits",
+            f"rollout: gpu_memory_utilization share {gib(report.rollout_share)} + training state kept on the device "
+            f"{gib(report.resident_during_rollout)} must fit in {gib(report.device_bytes)}, and the share must exceed "
+            f"the rollout weights ({gib(report.rollout_weights)}); offload training state (param/grad/optimizer_offload) "
+            "or change gpu_memory_utilization / rollout TP",
+        ))
+    return out
+
+
+def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1,
+             reference: bool = False) -> Verdict:
+    violations = validate(spec, layout, seq_len)
+    if violations:
+        return Verdict(layout, violations, None, None, [])
+    report = memory.estimate(spec, layout, seq_len, micro_batch_size, reference)
+    return Verdict(
+        layout, memory_violations(report), report,
+        mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout),
+    )
+
+
+# ---- output --------------------------------------------------------------------------------
+
+
+def gib_text(b: int | None) -> str:
+    if b is None:
+        return "n/a"
+    return f"{b / memory.GIB:.2f} GiB" if b >= memory.GIB / 10 else f"{b / 1024**2:.2f} MiB"
+
+
+def describe(layout: Layout) -> str:
+    t, r = layout.train, layout.rollout
+    pp = f"PP{t.pp}"
+    if t.first_stage_layers or t.last_stage_layers:
+        pp += f"({t.first_stage_layers or '-'}/../{t.last_stage_layers or '-'})"
+    if t.vpp:
+        pp += f"xVPP{t.vpp}"
+    train = f"TP{t.tp} {pp} EP{t.ep} ETP{t.expert_tp} CP{t.cp}" + (" SP" if t.sequence_parallel else "")
+    return f"train {train} | rollout TP{r.tp} DP{r.dp} EP{r.ep}"
+
+
+def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
+    cl = v.layout.cluster
+    print(f"model {spec.name}: {spec.total_params / 1e9:.2f}B params, {spec.active_params / 1e9:.2f}B active")
+    print(f"layout {v.layout.name}: {describe(v.layout)}")
+    print(f"cluster: {cl.nnodes} x {cl.devices_per_node} {cl.device}{' ' + cl.npu_kind if cl.npu_kind else ''} = "
+          f"{cl.world_size} devices, {cl.device_memory_gb or '?'} GiB each; seq_len {seq_len}")
+    if not v.valid and v.memory is None:
+        print(f"INVALID: {len(v.violations)} rule(s) violated")
+        for violation in v.violations:
+            print(f"  - {violation}")
+        return
+    m = v.memory
+    dp, edp = memory.data_parallel_sizes(v.layout)
+    print(f"data parallel: DP*CP={dp} (dense optimizer shards), EDP={edp} (expert optimizer shards)")
+    print(f"memory per device, worst pipeline stage ({m.pp_rank}):")
+    for name, value, exact in m.terms:
+        print(f"  {name:<40} {gib_text(value):>12}  {'exact' if exact else 'estimate'}")
+    print(f"  {'training peak':<40} {gib_text(m.train_peak):>12}")
+    print(f"  {'rollout weights (bf16)':<40} {gib_text(m.rollout_weights):>12}  exact")
+    print(f"  {'rollout share (gpu_memory_utilization)':<40} {gib_text(m.rollout_share):>12}")
+    print(f"  {'training state kept during rollout':<40} {gib_text(m.resident_during_rollout):>12}  {_offloaded(v.layout)}")
+    print(f"  {'host copy of offloaded state (pinned)':<40} {gib_text(m.offload_host):>12}")
+    fits = {None: "unknown (give --device-memory-gb)", True: "yes", False: "NO"}
+    print(f"fits: training {fits[m.train_fits]}, rollout {fits[m.rollout_fits]}")
+    p = v.mc2
+    if p.applies:
+        print(f"rollout MoE communication: {p.method} ({p.reason})")
+        print(f"HCCL_BUFFSIZE: {p.hccl_buffsize_mb} MB (MC2 needs {p.needed_buffsize_mb} MB for "
+              f"{p.max_tokens_per_rank} tokens per rank per MoE call)")
+    else:
+        print(f"rollout MoE communication: no MC2 ({p.reason}); HCCL_BUFFSIZE: default")
+    for note in v.notes:
+        print(f"note: {note}")
+    if v.violations:
+        print(f"INVALID: {len(v.violations)} rule(s) violated")
+        for violation in v.violations:
+            print(f"  - {violation}")
+    else:
+        print("VALID")
+
+
+def _offloaded(layout: Layout) -> str:
+    t = layout.train
+    moved = [name for name, on in (("weights", t.param_offload), ("optimizer", t.optimizer_offload)) if on]
+    parts = [f"{' and '.join(moved)} to host"] if moved else []
+    parts += ["grads freed"] if t.grad_offload else []
+    return f"({'; '.join(parts)})" if parts else "(no offload)"
+
+
+def verdict_json(v: Verdict) -> dict:
+    out = {"layout": v.layout.name, "valid": v.valid,
+           "violations": [{"rule": x.rule, "message": x.message} for x in v.violations]}
+    if v.memory is not None:
+        out["memory_bytes"] = {name: value for name, value, _ in v.memory.terms}
+        out["memory_bytes"]["training_peak"] = v.memory.train_peak
+        out["memory_bytes"]["kept_during_rollout"] = v.memory.resident_during_rollout
+        out["memory_bytes"]["offload_host"] = v.memory.offload_host
+        out["fits"] = v.memory.fits
+    if v.mc2 is not None:
+        out["mc2"] = {"method": v.mc2.method, "hccl_buffsize_mb": v.mc2.hccl_buffsize_mb}
+    return out

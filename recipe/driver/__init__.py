@@ -1,0 +1,4 @@
+"""The driver: the single controller that runs the RL loop (``trainer``) and its helpers: the calls
+to the workers (``dispatch``), the step's samples with DAPO's dynamic sampling
+(``dynamic_sampling``), GRPO advantages and KL in the reward (``advantage``), the step's routing
+metrics (``routing``), and checkpoints, resume and provenance (``checkpoint``)."""

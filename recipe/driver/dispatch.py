@@ -1,0 +1,135 @@
+"""The driver's side of every worker call: each worker's share out, the results back in the
+batch's row order.
+
+Generation is split over the rollout's DP ranks (every rank of a rollout TP group gets its group's
+share); the Megatron passes over the training DP ranks (``dp_shares`` of the batch contract, every
+rank of a DP replica the same rows), and the first rank of each replica answers for it. Routing
+records of a pass come back per rank and are merged into one table of the batch's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_bridge.moe.table import RoutingRecord, merge_records
+from megatron_bridge.plan.layout import Layout
+from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.runtime.batch import INPUT_IDS, RESPONSE_MASK, ROUTED_EXPERTS
+from recipe.data.dataset import PromptSample
+from recipe.rollout.base import SamplingParams
+from recipe.tracking.metrics import mean_metrics
+from recipe.workers.colocated import RankInfo
+from recipe.workers.group import WorkerGroup
+
+
+@dataclass
+class Rollout:
+    """One generation's samples, in global row order (row = prompt index * n + sample)."""
+
+    samples: list[PromptSample]  # per row
+    groups: torch.Tensor  # [N] prompt index within the generation
+    response_ids: list[list[int]]
+    log_probs: list[list[float]]  # the engine's, per response token
+    finish_reasons: list[str]
+    routed_experts: list[torch.Tensor] | None = None  # per row, when the engine reports routing
+
+
+class Dispatch:
+    def __init__(self, workers: WorkerGroup, infos: list[RankInfo], layout: Layout, spec: ModelSpec):
+        self.workers, self.infos, self.spec = workers, infos, spec
+        self.dp_size = infos[0].dp_size
+        self.rollout_dp = layout.rollout.dp
+        self.sequence_parallel = layout.train.sequence_parallel
+
+    def generate(self, prompts: list[PromptSample], n: int, params: SamplingParams, first_row: int = 0) -> Rollout:
+        """``n`` responses per prompt. Rows are split into contiguous shares, one per rollout DP
+        rank. Each row samples from its own seed, numbered from ``first_row`` (a step's later
+        generation batches draw afresh)."""
+        rows = [s for s in prompts for _ in range(n)]
+        shares = _split(len(rows), self.rollout_dp)
+        args = []
+        for info in self.infos:
+            lo, hi = shares[info.rollout_dp_rank]
+            args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(first_row + lo, first_row + hi)), params))
+        outputs = self.workers.call("generate", args, "generation")
+        response_ids, log_probs, finish, routed = [], [], [], []
+        for info, out in zip(self.infos, outputs):
+            if info.first_of_rollout_group:
+                response_ids += out.token_ids
+                log_probs += out.log_probs
+                finish += out.finish_reasons
+                routed += out.routed_experts or []
+        groups = torch.arange(len(prompts)).repeat_interleave(n)
+        return Rollout(rows, groups, response_ids, log_probs, finish, routed if len(routed) == len(rows) else None)
+
+    def log_probs(self, batch: dict[str, torch.Tensor], shares: list[torch.Tensor], model: str,
+                  replay: bool = False) -> tuple[torch.Tensor, RoutingRecord | None]:
+        """Log-probs [rows, R] under the actor or the reference (DP rank d takes rows ``shares[d]``);
+        the actor's pass also gives its routing."""
+        args = [(self._share(batch, shares, info), model, replay) for info in self.infos]
+        outputs = self.workers.call("compute_log_probs", args, f"{model} log-probs")
+        result = torch.empty(len(batch[INPUT_IDS]), batch[RESPONSE_MASK].shape[1], dtype=torch.float32)
+        for info, (log_probs, _) in zip(self.infos, outputs):
+            if info.first_of_replica:
+                result[shares[info.dp_rank]] = log_probs
+        if model == "ref":
+            return result, None
+        return result, self.merge_routing([record for _, record in outputs], shares, batch[INPUT_IDS].shape[1])
+
+    def update(self, batch: dict[str, torch.Tensor], shares: list[torch.Tensor], mini_batch_rows: int,
+               replay: bool) -> tuple[dict[str, float], RoutingRecord | None]:
+        """The update's metrics, and with ``replay`` what the training forwards replayed."""
+        args = [(self._share(batch, shares, info), mini_batch_rows // self.dp_size, replay) for info in self.infos]
+        outputs = self.workers.call("update", args, "actor update")
+        per_step = outputs[0][0]
+        metrics = mean_metrics(per_step)
+        # the LR and skip flag of the last optimizer step, as verl reports them
+        metrics["actor/lr"] = per_step[-1]["actor/lr"]
+        metrics["actor/skipped"] = float(sum(s["actor/skipped"] for s in per_step))
+        replayed = None
+        if replay:
+            replayed = self.merge_routing([record for _, record in outputs], shares, batch[INPUT_IDS].shape[1])
+        return metrics, replayed
+
+    def sample_routing(self, batch: dict[str, torch.Tensor], max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, their routing now): up to ``max_rows`` of the batch's rows, spread over it, routed
+        again by the actor."""
+        total = len(batch[INPUT_IDS])
+        count = max(self.dp_size, min(total, max_rows) // self.dp_size * self.dp_size)
+        rows = torch.linspace(0, total - 1, count).round().long()
+        shares = list(rows.view(self.dp_size, -1))
+        plain = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
+        records = self.workers.call("sample_routing", [(self._share(plain, shares, info),) for info in self.infos],
+                                    "routing drift pass")
+        local = [torch.arange(len(s)) + i * len(shares[0]) for i, s in enumerate(shares)]
+        return rows, self.merge_routing(records, local, batch[INPUT_IDS].shape[1]).routing
+
+    def merge_routing(self, records: list, shares: list[torch.Tensor], width: int) -> RoutingRecord:
+        """The workers' records of one pass over the rows ``shares[dp rank]``, as one table."""
+        return merge_records(records, [shares[info.dp_rank] for info in self.infos],
+                             [info.tp_rank == 0 or self.sequence_parallel for info in self.infos], width,
+                             self.spec.num_layers, self.spec.moe_topk)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Every engine gets its actor's new weights; rank 0's timing and stream counts."""
+        return self.workers.call("sync_weights", phase="weight sync")[0]
+
+    def memory(self) -> dict[str, float]:
+        """The busiest worker's peak memory, and what offload moved."""
+        out: dict[str, float] = {}
+        for memory in self.workers.call("memory"):
+            for key, value in memory.items():
+                out[key] = max(out.get(key, 0.0), value)
+        return out
+
+    @staticmethod
+    def _share(batch: dict[str, torch.Tensor], shares: list[torch.Tensor], info: RankInfo) -> dict[str, torch.Tensor]:
+        return {k: v[shares[info.dp_rank]] for k, v in batch.items()}
+
+
+def _split(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal [lo, hi) ranges."""
+    bounds = [round(i * rows / parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))

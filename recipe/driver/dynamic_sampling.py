@@ -1,0 +1,64 @@
+"""A step's samples, with DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): batches of
+``data.gen_batch_size`` prompts are generated until ``data.train_batch_size`` prompts have a group
+whose metric varies (a group that all scored alike has zero advantage and teaches nothing); the
+surplus is dropped, as in verl. Without it, one batch as generated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from recipe.config import FilterGroupsConfig
+from recipe.data.dataset import DataError
+from recipe.driver.advantage import varying_groups
+from recipe.driver.dispatch import Rollout
+from recipe.reward import RewardOutput
+
+Batch = tuple[Rollout, RewardOutput]
+
+
+def sample(generate: Callable[[int], Batch], n: int, want: int, groups: FilterGroupsConfig,
+           step: int) -> tuple[Rollout, RewardOutput, int]:
+    """The step's rollout and rewards, and how many generation batches it took. ``generate(i)``
+    draws the next prompts and returns the i-th generation batch of the step with its rewards;
+    ``n`` responses per prompt, ``want`` prompts kept."""
+    batches: list[Batch] = []
+    kept: list[int] = []  # prompt groups numbered across the generation batches
+    while True:
+        rollout, rewards = generate(len(batches))
+        if not groups.enable:
+            return rollout, rewards, 1
+        metric = rewards.acc if groups.metric == "acc" else rewards.scores
+        varying = varying_groups(torch.tensor(metric, dtype=torch.float64), rollout.groups)
+        kept += (varying.nonzero().flatten() + len(batches) * (len(rollout.samples) // n)).tolist()
+        batches.append((rollout, rewards))
+        if len(kept) >= want:
+            return (*_select_groups(batches, kept[:want], n), len(batches))
+        gen_batches, count = len(batches), len(kept)
+        if 0 < groups.max_num_gen_batches <= gen_batches:
+            raise DataError(
+                f"step {step}: after {gen_batches} generation batches only {count} of {want} prompts had responses "
+                f"whose {groups.metric} differed (algorithm.filter_groups.max_num_gen_batches="
+                f"{groups.max_num_gen_batches}): the prompts are too easy or too hard for the model; raise the "
+                "limit (<= 0: no limit) or change the data")
+
+
+def _select_groups(batches: list[Batch], groups: list[int], n: int) -> Batch:
+    """The given prompt groups (numbered across the generation ``batches``, ``n`` rows each) as one
+    rollout and its rewards, groups renumbered in that order."""
+    rows = [g * n + i for g in groups for i in range(n)]
+
+    def pick(values: list[list]) -> list:
+        flat = [v for part in values for v in part]
+        return [flat[r] for r in rows]
+
+    rollouts, rewards = [b[0] for b in batches], [b[1] for b in batches]
+    routed = None if any(r.routed_experts is None for r in rollouts) else pick([r.routed_experts for r in rollouts])
+    return (Rollout(pick([r.samples for r in rollouts]), torch.arange(len(groups)).repeat_interleave(n),
+                    pick([r.response_ids for r in rollouts]), pick([r.log_probs for r in rollouts]),
+                    pick([r.finish_reasons for r in rollouts]), routed),
+            RewardOutput(scores=pick([r.scores for r in rewards]), acc=pick([r.acc for r in rewards]),
+                         overlong_penalty=pick([r.overlong_penalty for r in rewards]),
+                         extra={k: pick([r.extra[k] for r in rewards]) for k in rewards[0].extra}))

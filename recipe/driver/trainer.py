@@ -1,0 +1,347 @@
+"""The RL loop, read top to bottom: the driver holds the data, rewards and advantages and sends each
+worker its share for generation, log-probs, the update and the weight sync.
+
+One step (``Trainer.train_step``)::
+
+    prompts ─▶ generate (n per prompt, rollout DP shares) ─▶ rewards ─▶ GRPO advantages
+            ─▶ old log-probs (actor) [─▶ ref log-probs] ─▶ update (mini-batches x epochs) ─▶ weight sync
+            ─▶ metrics [─▶ validation] [─▶ checkpoint]
+
+Beside it in ``recipe.driver``: ``dispatch`` (every call to the workers: shares out, results
+back), ``dynamic_sampling`` (the step's samples, with DAPO's group filter), ``checkpoint``
+(checkpoints, resume, provenance), ``advantage`` and ``routing`` (the step's ``moe/`` metrics).
+The batch follows ``megatron_bridge.runtime.batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from loss import rollout_correction, rollout_mismatch_metrics
+from megatron_bridge.plan.model_spec import load_model_spec
+from megatron_bridge.runtime.batch import (
+    ADVANTAGES,
+    INPUT_IDS,
+    OLD_LOG_PROBS,
+    PROMPT_LENGTHS,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    ROLLOUT_IS_WEIGHTS,
+    ROUTED_EXPERTS,
+    ReplayMode,
+    dp_shares,
+    make_batch,
+    response_ends,
+    token_mask,
+)
+from recipe.config import RecipeConfig, config_to_dict
+from recipe.data.dataset import BatchSampler, PromptDataset, val_batches
+from recipe.data.tiny_task import resolve_builtin
+from recipe.driver import checkpoint, dynamic_sampling
+from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
+from recipe.driver.dispatch import Dispatch, Rollout
+from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
+from recipe.reward import OverlongConfig, RewardInput, RewardOutput, compute_rewards, make_reward_fn
+from recipe.rollout.base import SamplingParams, request_seed
+from recipe.tracking.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
+from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
+from recipe.workers.group import WorkerGroup, init_ray
+
+VAL_GENERATIONS_FILE = "val_generations.jsonl"
+
+
+class Trainer:
+    def __init__(self, cfg: RecipeConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.dir = Path(cfg.trainer.default_local_dir)
+        self.ckpt_dir = self.dir / "checkpoints"
+        self.model_dir, train_files, val_files = resolve_builtin(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.spec = load_model_spec(self.model_dir)
+        d = cfg.data
+        data_kwargs = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                           filter_overlong_prompts=d.filter_overlong_prompts)
+        self.train_data = PromptDataset(train_files, self.tokenizer, **data_kwargs)
+        self.val_data = PromptDataset(val_files, self.tokenizer, **data_kwargs) if val_files else None
+        self.sampler = BatchSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
+                                    seed=d.seed)
+        t = cfg.trainer
+        self.total_steps = run_length(t.total_training_steps, t.total_epochs, self.sampler.batches_per_epoch)
+        self.cfg = cfg = with_warmup_from_ratio(cfg, self.total_steps)
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = KLController(k.type, k.kl_coef, k.target_kl, k.horizon)
+        arr = cfg.actor_rollout_ref
+        self.dynamic_batches = arr.actor.use_dynamic_bsz or arr.rollout.log_prob_use_dynamic_bsz or arr.ref.log_prob_use_dynamic_bsz
+        self.replay = ReplayMode(arr.actor.megatron.router_replay.mode)
+        custom = cfg.custom_reward_function
+        self.reward_fn = make_reward_fn(custom.path, custom.name)
+        ob = cfg.reward_model.overlong_buffer
+        self.overlong = OverlongConfig(enable=ob.enable, len=ob.len, penalty_factor=ob.penalty_factor)
+        self.step = 0
+        self.workers: WorkerGroup | None = None
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the workers and restore the latest checkpoint if resuming."""
+        cfg, t = self.cfg, self.cfg.trainer
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2, default=str))
+        init_ray(cfg.layout.cluster.device, cfg.layout.cluster.world_size)
+        self.workers = WorkerGroup(cfg.layout)
+        infos = self.workers.setup(cfg, self.model_dir)
+        self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec)
+        self.dp_size = self.dispatch.dp_size
+        nodes: dict[str, list[int]] = {}
+        for info in infos:
+            nodes.setdefault(info.node_ip, []).append(info.rank)
+        spans = [f"node {ip} rank {r[0]}" if len(r) == 1 else f"node {ip} ranks {r[0]}-{r[-1]}" for ip, r in nodes.items()]
+        tqdm.write("workers: " + "; ".join(spans))
+        checkpoint.record_provenance(self.dir, self.workers, self.model_dir, t.seed, cfg.data.seed, self.total_steps)
+        resume = checkpoint.to_resume(t, self.ckpt_dir)
+        if resume is not None:
+            state = checkpoint.load(self.workers, resume)
+            self.step = state["step"]
+            self.sampler.load_state_dict(state["sampler"])
+            self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
+            tqdm.write(f"resumed from {resume} (step {self.step})")
+        # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
+        loggers = t.logger if on_terminal() or "console" in t.logger else [*t.logger, "console"]
+        self.tracking = Tracking(str(self.dir), loggers, t.project_name, t.experiment_name, config_to_dict(cfg),
+                                 resume=self.step > 0)
+        if self.step:
+            self.tracking.drop_from(self.step + 1)  # what a killed run logged past its checkpoint
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def fit(self) -> Path:
+        t = self.cfg.trainer
+        if self.step == 0 and t.val_before_train and self.val_data is not None:
+            self.tracking.log(self.validate(), step=0)
+        bar = progress_bar(total=self.total_steps, initial=self.step, desc="steps", unit="step", dynamic_ncols=True)
+        while self.step < self.total_steps:
+            try:
+                metrics = self.train_step(self.step + 1)
+            except Exception as e:
+                e.add_note(f"in step {self.step + 1}; last completed step: {self.step}; run dir: {self.dir}")
+                raise
+            self.step += 1
+            if t.test_freq > 0 and self.val_data is not None and (
+                self.step % t.test_freq == 0 or self.step == self.total_steps
+            ):
+                metrics.update(self.validate())
+            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
+                self.save_checkpoint()
+            self.tracking.log(metrics, step=self.step)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
+        bar.close()
+        return self.finish()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, timer, t, a, replay = self.cfg, Timer(), self.cfg.trainer, self.cfg.algorithm, self.replay
+        mini = self.mini_batch_rows()
+        with timer("step"):
+            with timer("gen"):
+                rollout, rewards, gen_batches = self.sample(step)
+            scores = torch.tensor(rewards.scores, dtype=torch.float32)
+            batch = make_batch([s.prompt_ids for s in rollout.samples], rollout.response_ids,
+                               self.tokenizer.pad_token_id or 0)
+            engine_routing = rollout_routing(rollout.routed_experts, batch[INPUT_IDS].shape[1])
+            shares = self.dp_rows(batch, mini)
+            if replay.in_old_log_prob_pass:  # R3: the old log-probs too come from the rollout's experts
+                batch[ROUTED_EXPERTS] = engine_routing
+            with timer("old_log_prob"):
+                batch[OLD_LOG_PROBS], old = self.dispatch.log_probs(batch, shares, "actor", replay.in_old_log_prob_pass)
+            batch.pop(ROUTED_EXPERTS, None)
+            if cfg.needs_reference:
+                with timer("ref"):
+                    batch[REF_LOG_PROBS], _ = self.dispatch.log_probs(batch, shares, "ref")
+            valid = token_mask(batch)  # before rejection sampling takes tokens out of the loss
+            response_lengths = batch[RESPONSE_MASK].sum(1)
+            rewarded, shaping = scores, {}
+            if a.use_kl_in_reward:
+                rewarded, shaping = kl_in_reward(scores, batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS],
+                                                 batch[RESPONSE_MASK], self.kl_ctrl, a.kl_penalty)
+            mismatch = self.correct_for_rollout(batch, rollout)
+            advantages = grpo_advantages(rewarded, rollout.groups, a.norm_adv_by_std_in_grpo, a.grpo_epsilon)
+            batch[ADVANTAGES] = token_advantages(advantages, batch[RESPONSE_MASK])
+            if replay.in_update:
+                batch[ROUTED_EXPERTS] = old.routing if replay is ReplayMode.R2 else replay_source(engine_routing, old.routing)
+            with timer("update_actor"):  # shares again: rejection sampling may have shortened rows
+                update, replayed = self.dispatch.update(batch, self.dp_rows(batch, mini), mini, replay.in_update)
+            drift = None
+            if t.routing_drift_freq > 0 and step % t.routing_drift_freq == 0:
+                with timer("routing_drift"):
+                    drift = self.dispatch.sample_routing(batch, t.routing_drift_rows)
+            with timer("reshard"):
+                sync = self.dispatch.sync_weights()
+        metrics = data_metrics(
+            scores, advantages, response_lengths, batch[PROMPT_LENGTHS],
+            cfg.data.max_response_length, acc=torch.tensor(rewards.acc, dtype=torch.float32),
+        )
+        metrics.update(update)
+        metrics.update(shaping)
+        if a.use_kl_in_reward:  # verl's: the sequence rewards after the penalty, beside critic/score/*
+            metrics.update({k.replace("critic/score", "critic/rewards"): v for k, v in data_metrics(
+                rewarded, advantages, response_lengths, batch[PROMPT_LENGTHS], cfg.data.max_response_length).items()
+                if k.startswith("critic/score/")})
+        if a.filter_groups.enable:
+            metrics["train/num_gen_batches"] = float(gen_batches)
+        if update["actor/skipped"]:
+            tqdm.write(f"step {step}: non-finite loss or grad norm ({update.get('actor/grad_norm')}): "
+                       "optimizer step skipped, weights unchanged")
+        metrics.update({k: v for k, v in sync.items() if k.startswith("reshard/")})
+        metrics.update(mismatch)
+        metrics.update(routing_metrics(old, valid, self.spec.num_experts, engine_routing, drift, replayed))
+        metrics.update(timer.timings)
+        tokens = int(batch[PROMPT_LENGTHS].sum() + response_lengths.sum())
+        metrics.update(throughput_metrics(tokens, timer.timings["timing_s/step"], self.workers.world_size))
+        metrics.update(self.dispatch.memory())
+        metrics["training/epoch"] = float(self.sampler.epoch)
+        # the step's prompts, in order: runs that saw the same prompts log the same number
+        prompts = rollout.samples[:: cfg.actor_rollout_ref.rollout.n]
+        metrics["data/prompt_hash"] = float(zlib.crc32(torch.tensor([t for s in prompts for t in s.prompt_ids]).numpy()))
+        return metrics
+
+    # --- phases ------------------------------------------------------------------------------
+
+    def sample(self, step: int) -> tuple[Rollout, RewardOutput, int]:
+        """The step's rollout and rewards, and how many generation batches it took (``dynamic_sampling``)."""
+        cfg = self.cfg
+        n, params = cfg.actor_rollout_ref.rollout.n, self.sampling_params(step)
+
+        def generate(index: int) -> tuple[Rollout, RewardOutput]:
+            prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+            rollout = self.dispatch.generate(prompts, n, params, first_row=index * len(prompts) * n)
+            return rollout, self.rewards(rollout)
+
+        return dynamic_sampling.sample(generate, n, cfg.data.train_batch_size, cfg.algorithm.filter_groups, step)
+
+    def sampling_params(self, step: int, validation: bool = False) -> SamplingParams:
+        r = self.cfg.actor_rollout_ref.rollout
+        # a seed per step (and per purpose): a resumed run draws what the uninterrupted one drew
+        seed = request_seed(self.cfg.trainer.seed, step, stream=1 if validation else 0) & 0x7FFFFFFF
+        if validation:
+            v = r.val_kwargs
+            temperature = v.temperature if v.do_sample else 0.0
+            return SamplingParams(temperature=temperature, top_p=v.top_p, top_k=v.top_k,
+                                  max_tokens=self.cfg.data.max_response_length, seed=seed)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_tokens=self.cfg.data.max_response_length, seed=seed)
+
+    def rewards(self, rollout: Rollout) -> RewardOutput:
+        inputs = [
+            RewardInput(data_source=s.data_source, response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                        ground_truth=s.ground_truth, extra_info=s.extra_info, response_length=len(ids), index=i)
+            for i, (s, ids) in enumerate(zip(rollout.samples, rollout.response_ids))
+        ]
+        return compute_rewards(inputs, self.reward_fn, self.cfg.data.max_response_length, self.overlong)
+
+    def correct_for_rollout(self, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
+        """With ``rollout.calculate_log_probs``: the train-rollout gap of the sampled tokens'
+        log-probs (``training/``, ``rollout_corr/``) and, with ``algorithm.rollout_correction``,
+        the correction: IS weights into the batch for the loss, rejected tokens out of its mask
+        (so the update's global token and sequence counts leave them out too)."""
+        if not self.cfg.actor_rollout_ref.rollout.calculate_log_probs:
+            return {}
+        mask = batch[RESPONSE_MASK]
+        engine = torch.zeros_like(batch[OLD_LOG_PROBS])
+        for row, values in enumerate(rollout.log_probs):
+            engine[row, : len(values)] = torch.tensor(values, dtype=engine.dtype)
+        metrics = rollout_mismatch_metrics(batch[OLD_LOG_PROBS], engine, mask)
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.rollout_is is not None or rc.rollout_rs is not None:
+            weights, batch[RESPONSE_MASK], corrected = rollout_correction(batch[OLD_LOG_PROBS], engine, mask, rc)
+            if weights is not None:
+                batch[ROLLOUT_IS_WEIGHTS] = weights.float()
+            metrics.update(corrected)
+        return metrics
+
+    def dp_rows(self, batch: dict[str, torch.Tensor], mini_batch_rows: int) -> list[torch.Tensor]:
+        """Row indices of each DP rank (``dp_shares``): by length with dynamic batch size."""
+        return dp_shares(len(batch[INPUT_IDS]), mini_batch_rows, self.dp_size,
+                         response_ends(batch) if self.dynamic_batches else None)
+
+    def mini_batch_rows(self) -> int:
+        return self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (or ``val_kwargs``) responses to every validation prompt: val/score, val/acc. The
+        first ``trainer.log_val_generations`` go to ``val_generations.jsonl`` (prompt, response, score)."""
+        v = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        scores, accs, lengths, shown = [], [], [], []
+        for indices in val_batches(len(self.val_data), self.cfg.data.val_batch_size):
+            rollout = self.dispatch.generate([self.val_data[i] for i in indices], v.n,
+                                             self.sampling_params(self.step, True))
+            out = self.rewards(rollout)
+            scores += out.scores
+            accs += out.acc
+            lengths += [len(r) for r in rollout.response_ids]
+            for sample, response, score in zip(rollout.samples, rollout.response_ids, out.scores):
+                if len(shown) < self.cfg.trainer.log_val_generations:
+                    shown.append({"step": self.step, "prompt": self.tokenizer.decode(sample.prompt_ids),
+                                  "response": self.tokenizer.decode(response, skip_special_tokens=True),
+                                  "ground_truth": sample.ground_truth, "score": score})
+        if shown:
+            with open(self.dir / VAL_GENERATIONS_FILE, "a") as f:
+                f.writelines(json.dumps(line, default=str) + "\n" for line in shown)
+        return {"val/score/mean": sum(scores) / len(scores), "val/acc/mean": sum(accs) / len(accs),
+                "val/response_length/mean": sum(lengths) / len(lengths)}
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Every worker's shard and the driver's state (``recipe.driver.checkpoint``)."""
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value}
+        return checkpoint.save(self.workers, self.ckpt_dir, self.step, state, self.cfg.trainer.max_actor_ckpt_to_keep)
+
+    def finish(self) -> Path:
+        self.tracking.close()
+        history = [m for m in read_jsonl(str(self.dir / "metrics.jsonl")) if "critic/score/mean" in m]
+        curve = ascii_curve([m["critic/score/mean"] for m in history], label="critic/score/mean")
+        (self.dir / "reward_curve.txt").write_text(curve + "\n")
+        print(curve)
+        print(f"metrics: {self.dir / 'metrics.jsonl'}\nreward curve: {self.dir / 'reward_curve.txt'}")
+        return self.dir
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+
+def run_length(total_training_steps: int | None, total_epochs: int | None, steps_per_epoch: int) -> int:
+    """RL steps of the run, as verl counts them: the sooner of ``total_training_steps`` and
+    ``total_epochs`` passes over the data (the config asks for at least one of them)."""
+    limits = [total_training_steps, None if total_epochs is None else total_epochs * steps_per_epoch]
+    return max(1, min(s for s in limits if s is not None))
+
+
+def with_warmup_from_ratio(cfg: RecipeConfig, total_steps: int) -> RecipeConfig:
+    """verl's ``optim.lr_warmup_steps_ratio`` as ``lr_warmup_steps`` (used when that is 0): the
+    fraction of ``lr_decay_steps``, or of the run's optimizer steps (mini-batches x epochs per RL step)."""
+    arr = cfg.actor_rollout_ref
+    actor, o = arr.actor, arr.actor.optim
+    if not o.lr_warmup_steps_ratio or o.lr_warmup_steps:
+        return cfg
+    per_step = cfg.data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs
+    optim = dataclasses.replace(o, lr_warmup_steps=int(o.lr_warmup_steps_ratio * (o.lr_decay_steps or total_steps * per_step)))
+    return dataclasses.replace(cfg, actor_rollout_ref=dataclasses.replace(arr, actor=dataclasses.replace(actor, optim=optim)))
+
+
+def train(cfg: RecipeConfig) -> Path:
+    trainer = Trainer(cfg)
+    try:
+        trainer.start()
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -1,0 +1,2 @@
+"""What a run reports: the step's metrics under verl's names (``metrics``) and where they go:
+console, ``metrics.jsonl``, TensorBoard, SwanLab, Weights & Biases (``loggers``)."""

@@ -1,0 +1,216 @@
+"""The actor role of one rank: its Megatron shard (and the reference model's when KL is on), the
+passes the driver asks for (log-probs, update, routing drift), offload of the training state, its
+checkpoint shard, and the weight export for the rollout engine.
+
+Batches follow ``megatron_bridge.runtime.batch``. The passes, the export and the checkpoint run
+collectives: every rank calls them together. Before a shard computes, whatever the layout's
+offload flags sent to the host comes back; ``make_room`` first frees the device for it (colocated,
+the rollout engine goes to sleep).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from functools import partial
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from megatron_bridge.runtime.batch import INPUT_IDS, ROUTED_EXPERTS
+from megatron_bridge.runtime.offload import KINDS
+from recipe.config import RecipeConfig
+
+if TYPE_CHECKING:
+    from megatron_bridge.moe.table import RoutingRecord
+    from megatron_bridge.runtime.actor import MegatronActor
+    from megatron_bridge.weights.export import WeightExporter
+
+CHECKPOINT_FILE = "rank_{rank:05d}.pt"
+
+
+class ActorWorker:
+    def __init__(self, cfg: RecipeConfig, rank: int, world_size: int, model_dir: str, dtype: torch.dtype,
+                 platform: str, rollout_expert_parallel: int, make_room: Callable[[], None]):
+        """Build and load the shards (torch.distributed must be up). The weights go to the rollout
+        rank of each rank, experts split over ``rollout_expert_parallel`` of them (1: all to each)."""
+        from megatron_bridge.moe.routing import RoutingTap
+        from megatron_bridge.plan.model_spec import load_model_spec
+        from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+        from megatron_bridge.runtime.model import BuildOptions
+        from megatron_bridge.weights.export import Routing, WeightExporter
+
+        self.cfg, self.rank, self.world_size, self.make_room = cfg, rank, world_size, make_room
+        layout, arr = cfg.layout, cfg.actor_rollout_ref
+        initialize_parallel(layout.train, seed=cfg.trainer.seed)
+        spec = load_model_spec(model_dir)
+        options = BuildOptions(params_dtype=dtype)
+        self.actor = MegatronActor(spec, layout.train, options, arr.actor.optim, platform)
+        self.actor.load_hf(model_dir)
+        self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
+        self.ref = None
+        if cfg.needs_reference:
+            self.ref = MegatronActor(spec, layout.train, options, None, platform)
+            self.ref.load_hf(model_dir)
+        self.routing_tap = RoutingTap(self.actor.chunks, spec.moe_topk, layout.train.sequence_parallel)
+        self.actor.forward_context = self.routing_tap.micro_batch
+        self.loss_config = cfg.actor_loss
+        self.exporter = WeightExporter(
+            self.actor.chunks, spec, Routing(world_size, spec.num_experts, rollout_expert_parallel),
+            bucket_mb=arr.rollout.update_weights_bucket_megabytes, dtype=dtype,
+        )
+
+    # --- the device: offload and back -------------------------------------------------------
+
+    def offload(self) -> None:
+        """Before the engine takes the device: the training state the layout's flags name leaves it."""
+        t = self.cfg.layout.train
+        if not (t.param_offload or t.grad_offload or t.optimizer_offload):
+            return
+        for shard in (self.actor, self.ref):
+            if shard is not None:
+                stats = shard.offload(t.param_offload, t.grad_offload, t.optimizer_offload)
+                self._count("timing_s/offload", stats["seconds"])
+                for kind in KINDS:
+                    self._count(f"perf/offload_bytes/{kind}", stats[kind])
+
+    def _on_device(self, shard: MegatronActor) -> None:
+        """``shard``'s training state back on the device, before anything computes with it."""
+        if shard.host_copy.away:
+            self.make_room()
+            self._count("timing_s/onload", shard.onload()["seconds"])
+
+    def _count(self, key: str, value: float) -> None:
+        self.moves[key] = self.moves.get(key, 0.0) + value
+
+    # --- passes -----------------------------------------------------------------------------
+
+    def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str,
+                          replay: bool) -> tuple[torch.Tensor, RoutingRecord | None]:
+        """Per-token log-probs [B, R] of the responses under the actor ("actor") or the reference
+        ("ref"). The actor's pass also records its routing; with ``replay`` (R3) it replays the
+        batch's ``routed_experts`` and records what its routers would have chosen."""
+        if model == "ref":
+            if self.ref is None:
+                raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true "
+                                   "or algorithm.use_kl_in_reward=true")
+            self._on_device(self.ref)
+            ref = self.cfg.actor_rollout_ref.ref
+            return self._log_probs(self.ref, batch, ref.log_prob_micro_batch_size_per_gpu,
+                                   self._budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu)), None
+        self._on_device(self.actor)
+        _check_replay(batch, replay)
+        rows, width = batch[INPUT_IDS].shape
+        with self.routing_tap.recording(rows, width, capture=True, replay=replay, training=False) as out:
+            log_probs = self._actor_log_probs(batch)
+        return log_probs, out.record
+
+    def sample_routing(self, batch: dict[str, torch.Tensor]) -> RoutingRecord:
+        """The actor's own routing of ``batch`` now (after the update): a forward pass without replay."""
+        self._on_device(self.actor)
+        rows, width = batch[INPUT_IDS].shape
+        with self.routing_tap.recording(rows, width, capture=True, replay=False, training=False) as out:
+            self._actor_log_probs(batch)
+        return out.record
+
+    def _actor_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The actor's pass as the old-log-prob pass runs (verl's ``rollout.log_prob_*`` keys)."""
+        r = self.cfg.actor_rollout_ref.rollout
+        return self._log_probs(self.actor, batch, r.log_prob_micro_batch_size_per_gpu,
+                               self._budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu))
+
+    def _log_probs(self, shard: MegatronActor, batch: dict[str, torch.Tensor], micro: int,
+                   max_tokens: int | None) -> torch.Tensor:
+        from loss.megatron_hook import log_prob_func
+
+        loss_fn = partial(log_prob_func, self.loss_config.temperature, False)
+        out = shard.forward_only(batch, _fitting_micro_batch(len(batch[INPUT_IDS]), micro), loss_fn, max_tokens)
+        return out["log_probs"].cpu()
+
+    def _budget(self, dynamic: bool, per_gpu: int) -> int | None:
+        """A pass's token budget per micro-batch with dynamic batch size (verl: x context parallel), else None."""
+        return per_gpu * self.cfg.layout.train.cp if dynamic else None
+
+    def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int,
+               replay: bool) -> tuple[list[dict[str, float]], RoutingRecord]:
+        """PPO epochs over this DP rank's rows in mini-batches of ``mini_batch_rows``; with
+        ``replay`` every training forward (and recompute) replays the batch's ``routed_experts``."""
+        from loss.megatron_hook import policy_loss_func
+
+        self._on_device(self.actor)
+        a = self.cfg.actor_rollout_ref.actor
+        _check_replay(batch, replay)
+        rows, width = batch[INPUT_IDS].shape
+        with self.routing_tap.recording(rows, width, capture=False, replay=replay, training=True) as out:
+            steps = self.actor.update(batch, mini_batch_rows, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
+                                      partial(policy_loss_func, self.loss_config),
+                                      self._budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu))
+        return steps, out.record
+
+    # --- weights out ------------------------------------------------------------------------
+
+    def export(self) -> WeightExporter:
+        """The exporter of the actor's weights, with them on the device (``stream()`` them)."""
+        self._on_device(self.actor)
+        return self.exporter
+
+    def weights_fingerprint(self) -> tuple[float, float]:
+        """Sum and sum of squares (float64) of this rank's actor parameters: equal between runs
+        that start from the same weights in the same layout."""
+        self._on_device(self.actor)
+        params = [p.detach().double() for chunk in self.actor.chunks for p in chunk.parameters()]
+        return float(sum(p.sum() for p in params)), float(sum(p.square().sum() for p in params))
+
+    def memory(self) -> dict[str, float]:
+        """Peak memory, and what offload moved since the last call: ``timing_s/offload``,
+        ``timing_s/onload`` and ``perf/offload_bytes/<params|grads|optimizer>`` (bytes freed on the
+        device; grads are freed, not copied). The driver reads this once per step."""
+        from recipe.tracking.metrics import memory_metrics
+
+        moves, self.moves = self.moves, {}
+        return {**memory_metrics(self.cfg.layout.cluster.device), **moves}
+
+    # --- checkpoint shard -------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        """This rank's shard, optimizer, LR schedule and RNG states, in ``directory`` (which the
+        driver creates and later renames into place)."""
+        self._on_device(self.actor)
+        state = {
+            "actor": self.actor.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "world_size": self.world_size,
+            "layout": self.cfg.layout,
+        }
+        torch.save(state, os.path.join(directory, CHECKPOINT_FILE.format(rank=self.rank)))
+
+    def load(self, directory: str) -> None:
+        path = os.path.join(directory, CHECKPOINT_FILE.format(rank=self.rank))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"checkpoint {directory} has no file for rank {self.rank} ({path})")
+        state = torch.load(path, weights_only=False)
+        if state["layout"].train != self.cfg.layout.train or state["world_size"] != self.world_size:
+            raise ValueError(
+                f"checkpoint {directory} was written with {state['world_size']} ranks and train layout "
+                f"{state['layout'].train}; this run has {self.world_size} ranks and {self.cfg.layout.train}. "
+                "Resume with the same parallel layout (or start fresh: trainer.resume_mode=disable)"
+            )
+        self._on_device(self.actor)
+        self.actor.load_state_dict(state["actor"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+
+
+def _check_replay(batch: dict[str, torch.Tensor], replay: bool) -> None:
+    if replay and ROUTED_EXPERTS not in batch:
+        raise ValueError(f"routing replay needs the experts to replay: the batch has no {ROUTED_EXPERTS!r}")
+
+
+def _fitting_micro_batch(rows: int, wanted: int) -> int:
+    """The largest micro-batch <= ``wanted`` that divides ``rows`` (the actor splits evenly)."""
+    size = max(1, min(wanted, rows))
+    while rows % size:
+        size -= 1
+    return size

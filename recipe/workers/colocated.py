@@ -1,0 +1,151 @@
+"""One device as one Ray actor: the actor role (``recipe.workers.actor``) and the rollout role
+(``recipe.workers.rollout``) of the same rank in one process, taking turns with the device memory,
+and the weight stream between them.
+
+The driver (``recipe.driver``) calls the same method on every worker with that worker's share of
+the data; the methods that run collectives (log-probs, update, weight sync, checkpoint) must be
+called on all workers together.
+
+The device alternates between the engine and the Megatron shards: ``generate`` offloads the
+training state the layout names (``param_offload``, ``grad_offload``, ``optimizer_offload``; the
+reference model's weights under ``param_offload``; it has no grads or optimizer) before it wakes
+the engine, and every method that computes with a shard puts the engine to sleep first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from recipe.config import RecipeConfig
+from recipe.rollout.base import Generation, SamplingParams
+from recipe.workers.actor import ActorWorker
+from recipe.workers.rollout import RolloutWorker
+
+if TYPE_CHECKING:
+    from megatron_bridge.moe.table import RoutingRecord
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a worker sits in the train and rollout layouts (the driver splits data with it)."""
+
+    rank: int
+    node_ip: str
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    first_of_replica: bool  # the rank whose outputs stand for its DP replica
+    rollout_dp_rank: int
+    first_of_rollout_group: bool
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port on it (rank 0 hosts the torch.distributed rendezvous)."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class Worker:
+    def __init__(self, rank: int, world_size: int, threads: int):
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(threads)
+        # known, harmless warnings of megatron-core 0.12.1 on this torch, once per call otherwise
+        for message in (".*(Transformer Engine|Apex).*", r".*torch\.distributed\.\w+` is deprecated.*",
+                        ".*is not a leaf Tensor is being accessed.*"):
+            warnings.filterwarnings("ignore", message=message)
+
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def setup(self, cfg: RecipeConfig, model_dir: str, master_addr: str, master_port: int) -> RankInfo:
+        """Join torch.distributed, build both roles and give the engine the actor's weights (so the
+        engine always serves exactly what the actor holds)."""
+        import ray
+        from megatron.core import parallel_state as ps
+
+        from megatron_bridge.runtime.platform import activate, init_distributed
+        from recipe.rollout import ENGINES
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        layout = cfg.layout
+        platform = activate(layout.cluster.device)
+        init_distributed(platform)
+        dtype = DTYPES[cfg.actor_rollout_ref.model.dtype]
+        # an engine that shards the experts over its EP ranks receives only its own experts' weights
+        rollout_ep = layout.rollout.ep if ENGINES[cfg.actor_rollout_ref.rollout.name].expert_parallel else 1
+        self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, dtype, platform.name, rollout_ep,
+                                 make_room=self._sleep_rollout)
+        self.rollout = RolloutWorker(cfg, model_dir, dtype, platform.name)
+        self.sync_weights()
+
+        rollout_tp = layout.rollout.tp
+        return RankInfo(
+            rank=self.rank, node_ip=ray.util.get_node_ip_address(),
+            dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+            first_of_replica=ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_pipeline_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+            rollout_dp_rank=self.rank // rollout_tp, first_of_rollout_group=self.rank % rollout_tp == 0,
+        )
+
+    def _sleep_rollout(self) -> None:
+        self.rollout.sleep()  # the training state coming back needs the memory the engine holds
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams) -> Generation:
+        self.actor.offload()
+        return self.rollout.generate(prompts, request_ids, params)
+
+    def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str,
+                          replay: bool) -> tuple[torch.Tensor, RoutingRecord | None]:
+        self.rollout.sleep()
+        return self.actor.compute_log_probs(batch, model, replay)
+
+    def sample_routing(self, batch: dict[str, torch.Tensor]) -> RoutingRecord:
+        self.rollout.sleep()
+        return self.actor.sample_routing(batch)
+
+    def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int,
+               replay: bool) -> tuple[list[dict[str, float]], RoutingRecord]:
+        self.rollout.sleep()
+        return self.actor.update(batch, mini_batch_rows, replay)
+
+    def sync_weights(self) -> dict[str, float]:
+        from recipe.rollout.sync import sync_weights
+
+        return sync_weights(self.actor.export(), self.rollout.engine)
+
+    def weights_fingerprint(self) -> tuple[float, float]:
+        return self.actor.weights_fingerprint()
+
+    def memory(self) -> dict[str, float]:
+        return self.actor.memory()
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        self.actor.save(directory)
+
+    def load(self, directory: str) -> None:
+        self.actor.load(directory)
+        self.sync_weights()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
