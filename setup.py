@@ -25,7 +25,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.12",
-    packages=find_packages(include=["loss", "megatron_bridge", "recipe", "recipe.*"]),
+    packages=find_packages(include=["loss", "megatron_bridge", "megatron_bridge.*", "recipe", "recipe.*"]),
     install_requires=CORE,
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],
