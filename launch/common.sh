@@ -4,14 +4,15 @@
 #
 # Head:   check the recipe and layout with the planner (nothing starts if it is invalid)
 #         -> ray start --head (this node's devices) -> wait for NNODES nodes (JOIN_TIMEOUT_S)
-#         -> ray job submit --runtime-env <generated> -- python -m recipe.main_<algo> ...
-#         -> follow the job, exit with its status -> stop this node's Ray.
+#         -> ray job submit --no-wait --runtime-env <generated> -- python -m recipe.main_<algo> ...
+#         -> ray job logs --follow, exit with the job's status -> stop this node's Ray.
 #         A comparison (launch_compare) submits one job per variant (python -m recipe.compare
 #         ... --variants <v>), one after another, then writes the report on the head.
 # Worker: check the recipe -> join the head with retries (JOIN_TIMEOUT_S) -> stay until the head's
 #         cluster ends -> stop this node's Ray.
 # Only what this launcher started is stopped (its own `ray start`, its own job), on success, on
-# errors and on Ctrl-C. Logs: $LOG_DIR/<recipe>-<time>-<role>-<host>/. See docs/launch.md.
+# errors and on SIGINT (Ctrl-C, exit 130) or SIGTERM (143) at any moment; a second signal does not
+# cut the clean-up short. Logs: $LOG_DIR/<recipe>-<time>-<role>-<host>/. See docs/launch.md.
 
 launch_usage() {
   cat <<EOF
@@ -27,7 +28,7 @@ Environment (empty: the recipe's or layout's own value):
   SOCKET_IFNAME           network interface for HCCL/gloo (default: the one on the route to MASTER_ADDR)
   MODEL_PATH, TRAIN_FILE, VAL_FILE, CKPT_DIR    checkpoint, data (comma-separated for several), run dir
   PARALLEL                a configs/parallel/*.yaml (path or name): swaps the parallel layout
-  RAY_PORT (6379), DASHBOARD_PORT (8265), JOIN_TIMEOUT_S (600), LOG_DIR (./logs)
+  RAY_PORT (6379), DASHBOARD_PORT (8265), DASHBOARD_AGENT_PORT (52365), JOIN_TIMEOUT_S (600), LOG_DIR (./logs)
   NODE_IPS                all nodes' addresses, comma-separated: names the missing ones on a time-out
   HCCL_BUFFSIZE           MB; default: the planner's value for the layout (NPU with MC2)
   RECIPE, RUNTIME_ENV     another recipe YAML / runtime env template (default configs/runtime_env/<by device>)
@@ -52,11 +53,11 @@ die() {
 
 # ---- node facts --------------------------------------------------------------------------------
 
-resolve_ip() {  # an address or host name -> an IPv4 address
+resolve_ip() {  # an address or host name -> an IPv4 address; nothing if it does not resolve
   if [[ $1 =~ ^[0-9.]+$ ]]; then
     echo "$1"
   else
-    getent ahostsv4 "$1" | awk '{print $1; exit}'
+    timeout 10 getent ahostsv4 "$1" | awk '{print $1; exit}' || true
   fi
 }
 
@@ -72,12 +73,175 @@ ifname_of_ip() { ip -o -4 addr show 2>/dev/null | awk -v ip="$1" '{split($4, a, 
 
 head_reachable() { timeout 3 bash -c "exec 3<>/dev/tcp/$MASTER_IP/$RAY_PORT" 2>/dev/null; }
 
-# ---- this launcher's Ray node and job ------------------------------------------------------------
+# ---- this launcher's processes and signals --------------------------------------------------------
+# Every process the launcher starts runs in the background with its pid recorded (spawn), so that
+# clean-up (on_exit) stops exactly those: the current killable step, the job by its submission id,
+# this node's Ray. Background children of a script ignore a terminal's Ctrl-C: only this shell acts
+# on it, and nothing is cut short behind the clean-up's back.
 
 RAY_PID=""
 RAY_ADDRESS_FILE=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster  # where `ray start` records its cluster
 RAY_RECORD=""
-JOB_ID=""  # set while this launcher's job may still be running
+CHILD_PID=""     # the current step, safe to kill: the checks, wait-nodes, following the job, the report, a retry's wait
+PAUSE_PID=""     # pause_at's wait
+SUBMIT_PID=""    # `ray job submit --no-wait` in flight: waited for, never killed
+JOB_ID=""        # set from just before the submission until the job is known to have ended
+HOLD=0           # 1 inside spawn: a signal is only recorded in HELD_SIGNAL until the pid is
+HELD_SIGNAL=""
+STOPPING=0       # 1 once clean-up runs: a signal is only logged, the clean-up goes on
+STOP_SIGNAL=""   # the first INT or TERM caught: the exit status is 128 + its number
+SIGNALS=0        # how many came
+
+# spawn <var> <command...>: start the command in the background and store its pid in <var> as one
+# step for the signal handler: bash runs a trap between any two commands, so a signal right after
+# the fork would otherwise exit before the pid is recorded and the clean-up would miss the process.
+# Once a signal came, nothing new starts (except the clean-up's own steps).
+spawn() {
+  local var=$1
+  shift
+  HOLD=1
+  if [[ -z $HELD_SIGNAL ]]; then
+    "$@" &
+    printf -v "$var" %s "$!"
+  fi
+  HOLD=0
+  [[ -z $HELD_SIGNAL ]] || stop_on "$HELD_SIGNAL"
+}
+
+# to_file <file> <command...>, tee_to <file> <command...>: the command with its output into <file>
+# (tee_to: and onto this launcher's output), as one command for spawn. Their `exec` would give the
+# command back the default SIGINT of this shell's start, so they ignore it again explicitly.
+to_file() {
+  local out=$1
+  shift
+  trap '' INT
+  exec "$@" >"$out" 2>&1
+}
+tee_to() {
+  local out=$1
+  shift
+  trap '' INT
+  exec "$@" > >(tee -p -a "$out") 2>&1
+}
+
+# run_waiting <command...>: run in the background and wait, so that a signal is acted on at once
+# (bash runs a trap only between commands, and `wait` is one a signal interrupts).
+run_waiting() {
+  spawn CHILD_PID "$@"
+  wait_child
+}
+wait_child() {
+  local rc=0
+  wait "$CHILD_PID" || rc=$?
+  CHILD_PID=""
+  return "$rc"
+}
+
+# await_pid <pid> <seconds>: wait for a child to exit, killing it after <seconds>. It polls, so that
+# a signal during clean-up (only logged there) does not cut the wait short.
+await_pid() {
+  local deadline=$((SECONDS + $2))
+  while kill -0 "$1" 2>/dev/null && ((SECONDS < deadline)); do
+    sleep 0.2
+  done
+  kill -KILL "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+
+# start_time <pid>: when the process started (clock ticks since boot; nothing if it is gone or a
+# zombie), so that a pid the system reuses later is not taken for the process recorded under it.
+start_time() {
+  local stat fields
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 0
+  read -ra fields <<<"${stat##*) }"
+  [[ ${fields[0]} == Z ]] || echo "${fields[19]}"
+}
+
+# descendants <pid>: <pid>'s descendants, one pid:start-time a line.
+descendants() {
+  local pid start
+  for pid in $(ps -e -o pid= -o ppid= | awk -v root="$1" '
+      {kids[$2] = kids[$2] " " $1}
+      END {n = split(kids[root], q, " "); for (i = 1; i <= n; i++) {print q[i]; m = split(kids[q[i]], k, " "); for (j = 1; j <= m; j++) q[++n] = k[j]}}'); do
+    start=$(start_time "$pid")
+    [[ -z $start ]] || echo "$pid:$start"
+  done
+}
+
+# reap <seconds> <pid:start-time...>: wait for those processes to end; SIGKILL any left after <seconds>.
+reap() {
+  local deadline=$((SECONDS + $1)) entry left
+  shift
+  while :; do
+    left=()
+    for entry; do
+      [[ $(start_time "${entry%%:*}") != "${entry#*:}" ]] || left+=("${entry%%:*}")
+    done
+    ((${#left[@]} && SECONDS < deadline)) || break
+    sleep 0.5
+  done
+  ((${#left[@]} == 0)) && return 0
+  log "killing ${#left[@]} process(es) of this node's Ray that outlived it: ${left[*]}"
+  kill -KILL "${left[@]}" 2>/dev/null || true
+}
+
+# stop_pid <var>: stop the child whose pid <var> holds, if any (SIGTERM; SIGKILL after 30 s).
+stop_pid() {
+  local pid=${!1}
+  [[ -n $pid ]] || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  await_pid "$pid" 30
+  printf -v "$1" %s ""
+}
+
+# pause_at <point>: the testing hook (docs/launch.md, "Signals"). When the comma-separated
+# LAUNCH_PAUSE_AT names <point>, say so and wait there for a signal: a test signals this exact
+# moment instead of sleeping and hoping. Short waits: a signal that comes (and is only logged, in
+# clean-up) before a wait begins ends the pause within a second.
+pause_at() {
+  [[ ,${LAUNCH_PAUSE_AT:-}, == *,"$1",* ]] || return 0
+  local seen=$SIGNALS
+  log "paused at $1 (LAUNCH_PAUSE_AT)"
+  while ((SIGNALS == seen)); do
+    spawn PAUSE_PID sleep 1
+    wait "$PAUSE_PID" || true
+  done
+  stop_pid PAUSE_PID
+}
+
+on_signal() {  # the INT and TERM trap
+  SIGNALS=$((SIGNALS + 1))
+  if ((STOPPING)); then
+    [[ -n $STOP_SIGNAL ]] || STOP_SIGNAL=$1
+    log "caught SIG$1: already stopping; the clean-up goes on"
+  elif ((HOLD)); then
+    [[ -n $HELD_SIGNAL ]] || HELD_SIGNAL=$1
+  else
+    stop_on "$1"
+  fi
+}
+
+stop_on() {
+  STOP_SIGNAL=$1
+  HELD_SIGNAL=""
+  log "caught SIG$1: stopping what this launcher started"
+  exit $((128 + $(kill -l "$1")))
+}
+
+on_exit() {
+  local rc=$?
+  STOPPING=1
+  set +e  # clean up everything, whatever fails on the way
+  stop_pid CHILD_PID
+  stop_pid PAUSE_PID
+  stop_job
+  pause_at cleanup
+  stop_ray_node
+  [[ -n ${SCRATCH:-} ]] && rm -rf "$SCRATCH"
+  [[ $DRY_RUN == 0 && -d ${RUN_LOG:-} ]] && log "logs: $RUN_LOG"
+  [[ -z $STOP_SIGNAL ]] || rc=$((128 + $(kill -l "$STOP_SIGNAL")))
+  exit "$rc"
+}
 
 # start_ray_node <log> <command...>: run `ray start --block` in the background and wait until it
 # reports the node up. --block keeps the Ray processes children of that one process, so stopping
@@ -85,8 +249,8 @@ JOB_ID=""  # set while this launcher's job may still be running
 start_ray_node() {
   local out=$1
   shift
-  "$@" >"$out" 2>&1 &
-  RAY_PID=$!
+  spawn RAY_PID to_file "$out" "$@"
+  pause_at ray_starting
   local deadline=$((SECONDS + RAY_START_TIMEOUT_S))
   until grep -q "Ray runtime started" "$out"; do
     if ! kill -0 "$RAY_PID" 2>/dev/null; then
@@ -113,20 +277,19 @@ start_ray_node() {
 
 stop_ray_node() {
   [[ -n $RAY_PID ]] || return 0
+  local tree=()
   if kill -0 "$RAY_PID" 2>/dev/null; then
     log "stopping this node's Ray (pid $RAY_PID, started by this launcher)"
+    mapfile -t tree < <(descendants "$RAY_PID")
     kill -TERM "$RAY_PID" 2>/dev/null || true
-    local i
-    for ((i = 0; i < 120; i++)); do
-      kill -0 "$RAY_PID" 2>/dev/null || break
-      sleep 0.5
-    done
-    # Still there after a minute: kill that one process; its children die with it (Ray ties them
-    # to their parent's life).
-    if kill -0 "$RAY_PID" 2>/dev/null; then kill -KILL "$RAY_PID" 2>/dev/null || true; fi
   fi
-  wait "$RAY_PID" 2>/dev/null || true
+  # Still there after a minute: kill that one process; its children die with it (Ray ties them to
+  # their parent's life).
+  await_pid "$RAY_PID" 60
   RAY_PID=""
+  # Some of them take their time to notice (the dashboard agent, holding its port, for one), and
+  # the next launch on this node would find the port taken: 10 s, then SIGKILL.
+  reap 10 "${tree[@]}"
   # `ray start` recorded this cluster as the machine's current one (a later plain ray.init() would
   # try to join it); forget it if it is still our record, as `ray stop` would.
   if [[ -n $RAY_RECORD && -f $RAY_ADDRESS_FILE && $(<"$RAY_ADDRESS_FILE") == "$RAY_RECORD" ]]; then
@@ -134,40 +297,22 @@ stop_ray_node() {
   fi
 }
 
+# stop_job: stop this launcher's job if it may exist. A submission in flight is waited for, not
+# killed: a client killed mid-request leaves the server registering the job after `ray job stop`
+# found nothing, and the job would start anyway.
 stop_job() {
   [[ -n $JOB_ID ]] || return 0
+  if [[ -n $SUBMIT_PID ]]; then
+    log "waiting for the submission of job $JOB_ID to return, to stop the job"
+    await_pid "$SUBMIT_PID" 120
+    SUBMIT_PID=""
+  fi
   log "stopping job $JOB_ID"
-  timeout 60 ray job stop --address "$DASHBOARD_URL" "$JOB_ID" >/dev/null 2>&1 || true
+  local pid out=$RUN_LOG/job_stop.log
+  spawn pid to_file "$out" ray job stop --log-style pretty --log-color false --address "$DASHBOARD_URL" "$JOB_ID"
+  await_pid "$pid" 60
+  log "job $JOB_ID: $(tail -n 1 "$out")"
   JOB_ID=""
-}
-
-on_exit() {
-  local rc=$?
-  trap - EXIT INT TERM
-  set +e  # clean up everything, whatever fails on the way
-  [[ -n $CHILD_PID ]] && kill -TERM "$CHILD_PID" 2>/dev/null
-  stop_job
-  stop_ray_node
-  [[ -n ${SCRATCH:-} ]] && rm -rf "$SCRATCH"
-  [[ $DRY_RUN == 0 && -d ${RUN_LOG:-} ]] && log "logs: $RUN_LOG"
-  exit "$rc"
-}
-
-on_signal() {
-  log "caught SIG$1: stopping what this launcher started"
-  if [[ $1 == INT ]]; then exit 130; else exit 143; fi
-}
-
-# run_waiting <command...>: run in the background and wait, so that Ctrl-C is handled at once
-# (bash runs a trap only between commands, and `wait` is one it interrupts).
-CHILD_PID=""
-run_waiting() {
-  "$@" &
-  CHILD_PID=$!
-  local rc=0
-  wait "$CHILD_PID" || rc=$?
-  CHILD_PID=""
-  return "$rc"
 }
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -208,6 +353,7 @@ launch_main() {
   CKPT_DIR=${CKPT_DIR:-}
   RAY_PORT=${RAY_PORT:-6379}
   DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
+  DASHBOARD_AGENT_PORT=${DASHBOARD_AGENT_PORT:-52365}
   JOIN_TIMEOUT_S=${JOIN_TIMEOUT_S:-600}
   RAY_START_TIMEOUT_S=${RAY_START_TIMEOUT_S:-120}
   LOG_DIR=${LOG_DIR:-logs}
@@ -221,7 +367,7 @@ launch_main() {
   SEEDS=${SEEDS:-1}
   COMPARE_DIR=$(realpath -m "${COMPARE_DIR:-runs/compare/$(basename "$RECIPE" .yaml)}")
   local name
-  for name in RAY_PORT DASHBOARD_PORT JOIN_TIMEOUT_S RAY_START_TIMEOUT_S; do
+  for name in RAY_PORT DASHBOARD_PORT DASHBOARD_AGENT_PORT JOIN_TIMEOUT_S RAY_START_TIMEOUT_S; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die 2 "$name=${!name}: expected a whole number"
   done
   command -v ray >/dev/null || die 2 "the 'ray' command is not on PATH: install the package (pip install -e .) in this environment"
@@ -250,11 +396,19 @@ launch_main() {
   else
     OUT_DIR=$RUN_LOG
     mkdir -p "$RUN_LOG"
-    exec > >(tee -a "$RUN_LOG/launcher.log") 2> >(tee -a "$RUN_LOG/launcher.log" >&2)
+    # The copies outlive a Ctrl-C and a reader that goes away (tee -p), so that the clean-up's
+    # messages are written and this shell never dies of SIGPIPE halfway through it.
+    exec > >(trap '' INT TERM; exec tee -p -a "$RUN_LOG/launcher.log") \
+      2> >(trap '' INT TERM; exec tee -p -a "$RUN_LOG/launcher.log" >&2)
   fi
   trap on_exit EXIT
   trap 'on_signal INT' INT
   trap 'on_signal TERM' TERM
+  # A signal ignored when a script starts cannot be trapped (bash): say so rather than seem deaf.
+  for name in INT TERM; do
+    [[ $(trap -p "$name") != "trap -- '' SIG$name" ]] ||
+      log "note: SIG$name is ignored here (this launcher was started with it ignored, e.g. with & from a script)"
+  done
 
   log "$NODE_ROLE node $(hostname -s); recipe ${RECIPE}; ${LAUNCH_VARIANTS:+variants $LAUNCH_VARIANTS, seeds $SEEDS, in $COMPARE_DIR}${LAUNCH_ALGO:+algo $LAUNCH_ALGO}"
   log "MASTER_ADDR=$MASTER_ADDR RAY_PORT=$RAY_PORT DASHBOARD_PORT=$DASHBOARD_PORT JOIN_TIMEOUT_S=$JOIN_TIMEOUT_S LOG_DIR=$LOG_DIR PARALLEL=${PARALLEL:-(from the recipe)}"
@@ -262,7 +416,7 @@ launch_main() {
   # 1. The recipe and layout, checked exactly as the job will load them, before anything starts.
   local status=0 dry=()
   ((DRY_RUN)) && dry=(--dry-run)
-  "$PYTHON" -m recipe.cluster prepare --recipe "$RECIPE" --algo "$LAUNCH_ALGO" --role "$NODE_ROLE" \
+  run_waiting "$PYTHON" -m recipe.cluster prepare --recipe "$RECIPE" --algo "$LAUNCH_ALGO" --role "$NODE_ROLE" \
     --out-dir "$OUT_DIR" --nnodes "$NNODES" --devices-per-node "$NPUS_PER_NODE" --parallel "$PARALLEL" \
     --model-path "$MODEL_PATH" --train-file "$TRAIN_FILE" --val-file "$VAL_FILE" --ckpt-dir "$CKPT_DIR" \
     --hccl-buffsize "$HCCL_BUFFSIZE" --runtime-env "$RUNTIME_ENV" "${dry[@]}" \
@@ -299,15 +453,19 @@ launch_main() {
   DASHBOARD_URL=http://127.0.0.1:$DASHBOARD_PORT
   # The commands, built once: the dry run prints them, the real run runs them.
   JOB_NAME="moe-rl-${EXPERIMENT//[^A-Za-z0-9_.-]/_}-$stamp-$$"
-  HEAD_CMD=(ray start --head --block --port "$RAY_PORT" --node-ip-address "$NODE_IP"
-    --dashboard-port "$DASHBOARD_PORT" --disable-usage-stats "${resources[@]}")
+  local head_ip=$MASTER_IP  # what the head's command says, also in a worker's dry run
+  [[ $NODE_ROLE == head ]] && head_ip=$NODE_IP
+  HEAD_CMD=(ray start --head --block --port "$RAY_PORT" --node-ip-address "$head_ip"
+    --dashboard-port "$DASHBOARD_PORT" --dashboard-agent-listen-port "$DASHBOARD_AGENT_PORT"
+    --disable-usage-stats "${resources[@]}")
   WAIT_CMD=("$PYTHON" -m recipe.cluster wait-nodes --dashboard "$DASHBOARD_URL" --address "$MASTER_IP:$RAY_PORT"
     --expect "$NNODES" --timeout "$JOIN_TIMEOUT_S" --resource "$DEVICE_RESOURCE" --per-node "$NPUS_PER_NODE"
     --node-ips "$NODE_IPS")
   # A comparison's report, on the head once every variant's job is done (its runs are finished, so
   # recipe.compare only writes the report).
   REPORT_CMD=("$PYTHON" -m recipe.compare "${JOB_ARGS[@]}" --variants "$LAUNCH_VARIANTS" --seeds "$SEEDS" --out "$COMPARE_DIR")
-  WORKER_BASE=(ray start --address "$MASTER_IP:$RAY_PORT" --block --disable-usage-stats "${resources[@]}")
+  WORKER_BASE=(ray start --address "$MASTER_IP:$RAY_PORT" --block --dashboard-agent-listen-port "$DASHBOARD_AGENT_PORT"
+    --disable-usage-stats "${resources[@]}")
   WORKER_CMD=("${WORKER_BASE[@]}" --node-ip-address "$NODE_IP")
 
   if ((DRY_RUN)); then
@@ -316,6 +474,7 @@ launch_main() {
   fi
   log "this node: $NODE_IP on $SOCKET_IFNAME; cluster: $NNODES node(s) x $NPUS_PER_NODE $DEVICE"
   check_auth_token
+  pause_at before_ray
   if [[ $NODE_ROLE == head ]]; then
     run_head
   else
@@ -376,6 +535,13 @@ dry_run_report() {
     printf '  %s\n' "$(quote_cmd "${WORKER_BASE[@]}" --node-ip-address "$worker_ip")"
   fi
   echo "then the head stops its Ray when the job ends; the workers stop theirs when the head is gone."
+  if [[ $NODE_ROLE == worker ]]; then
+    if head_reachable; then
+      echo "the head $MASTER_IP:$RAY_PORT answers"
+    else
+      echo "the head $MASTER_IP:$RAY_PORT does not answer (yet): start the launcher there, or check MASTER_ADDR, RAY_PORT and the firewall"
+    fi
+  fi
 }
 
 # The jobs a head submits: "main" (the recipe's entry), or a comparison's variants.
@@ -383,40 +549,68 @@ jobs_to_submit() {
   if [[ -n $LAUNCH_VARIANTS ]]; then echo "${LAUNCH_VARIANTS//,/ }"; else echo main; fi
 }
 
-# submit_cmd <job>: SUBMIT_CMD and SUBMIT_ID for "main" or one comparison variant.
+# submit_cmd <job>: SUBMIT_CMD and SUBMIT_ID for "main" or one comparison variant. Ray runs the
+# entrypoint with `sh -c`; `exec` makes the job that shell's own process, so that `ray job stop`
+# signals the job itself (a shell that forks it and is stopped right at the start leaves it running).
 submit_cmd() {
-  local entry=("$PYTHON" -m "recipe.main_$LAUNCH_ALGO" "${JOB_ARGS[@]}")
+  local entry=(exec "$PYTHON" -m "recipe.main_$LAUNCH_ALGO" "${JOB_ARGS[@]}")
   SUBMIT_ID=$JOB_NAME
   if [[ $1 != main ]]; then
-    entry=("$PYTHON" -m recipe.compare "${JOB_ARGS[@]}" --variants "$1" --seeds "$SEEDS" --out "$COMPARE_DIR")
+    entry=(exec "$PYTHON" -m recipe.compare "${JOB_ARGS[@]}" --variants "$1" --seeds "$SEEDS" --out "$COMPARE_DIR")
     SUBMIT_ID=$JOB_NAME-$1
   fi
-  SUBMIT_CMD=(ray job submit --address "$DASHBOARD_URL" --submission-id "$SUBMIT_ID"
+  SUBMIT_CMD=(ray job submit --no-wait --address "$DASHBOARD_URL" --submission-id "$SUBMIT_ID"
     --runtime-env "$RUN_LOG/runtime_env.yaml" -- "${entry[@]}")
 }
 
+# A port something else on this node listens on (another Ray, most often) fails late and unclearly:
+# the dashboard agent's leaves the job API without an agent ("No available agent to submit job").
+check_ports_free() {
+  local name
+  for name in RAY_PORT DASHBOARD_PORT DASHBOARD_AGENT_PORT; do
+    [[ -z $(ss -Hltn "sport = :${!name}" 2>/dev/null) ]] ||
+      die 1 "port ${!name} ($name) is in use on this node (another Ray?): set $name to a free port; nothing was started"
+  done
+}
+
 run_head() {
+  check_ports_free
   log "starting Ray head on $NODE_IP:$RAY_PORT ($NPUS_PER_NODE $DEVICE)"
   start_ray_node "$RUN_LOG/ray_head.log" "${HEAD_CMD[@]}" ||
     die 1 "ray start --head failed (log $RUN_LOG/ray_head.log): $(tail -n 3 "$RUN_LOG/ray_head.log" | tr '\n' ' ')"
   log "waiting up to ${JOIN_TIMEOUT_S}s for $NNODES node(s)"
-  run_waiting "${WAIT_CMD[@]}" || die 1 "not all nodes joined; nothing was submitted"
-  local job job_status job_log
+  spawn CHILD_PID "${WAIT_CMD[@]}"
+  pause_at joining
+  wait_child || die 1 "not all nodes joined; nothing was submitted"
+  local job
   for job in $(jobs_to_submit); do
-    submit_cmd "$job"
-    job_log=$RUN_LOG/job${LAUNCH_VARIANTS:+-$job}.log
-    log "submitting job $SUBMIT_ID: ${SUBMIT_CMD[*]:10}"
-    JOB_ID=$SUBMIT_ID
-    run_waiting "${SUBMIT_CMD[@]}" > >(tee "$job_log") 2>&1 || true
-    job_status=$("$PYTHON" -m recipe.cluster job-status --dashboard "$DASHBOARD_URL" --id "$SUBMIT_ID" 2>&1 | tail -n 1) || true
-    case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_ID="" ;; esac
-    log "job $SUBMIT_ID: $job_status; run directory: ${LAUNCH_VARIANTS:+$COMPARE_DIR/$job}${LAUNCH_VARIANTS:-$RUN_DIR}"
-    [[ $job_status == SUCCEEDED ]] || die 1 "job $SUBMIT_ID did not succeed ($job_status; log $job_log)"
+    run_job "$job"
   done
   if [[ -n $LAUNCH_VARIANTS ]]; then
     log "writing the comparison report: ${REPORT_CMD[*]}"
-    "${REPORT_CMD[@]}" || die 1 "the comparison report failed (its message is above)"
+    run_waiting "${REPORT_CMD[@]}" || die 1 "the comparison report failed (its message is above)"
   fi
+}
+
+# run_job <job>: submit it (--no-wait: returns once the job is registered), follow its output to its
+# end, fail unless it SUCCEEDED.
+run_job() {
+  submit_cmd "$1"
+  local job_log=$RUN_LOG/job${LAUNCH_VARIANTS:+-$1}.log rc=0 job_status
+  log "submitting job $SUBMIT_ID: ${SUBMIT_CMD[*]:11}"
+  JOB_ID=$SUBMIT_ID
+  spawn SUBMIT_PID to_file "$job_log" "${SUBMIT_CMD[@]}"
+  pause_at submitting
+  wait "$SUBMIT_PID" || rc=$?
+  SUBMIT_PID=""
+  ((rc == 0)) || die 1 "ray job submit failed (log $job_log): $(tail -n 1 "$job_log")"
+  spawn CHILD_PID tee_to "$job_log" ray job logs --follow --address "$DASHBOARD_URL" "$SUBMIT_ID"
+  pause_at job_running
+  wait_child || true
+  job_status=$("$PYTHON" -m recipe.cluster job-status --dashboard "$DASHBOARD_URL" --id "$SUBMIT_ID" 2>&1 | tail -n 1) || true
+  case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_ID="" ;; esac
+  log "job $SUBMIT_ID: $job_status; run directory: ${LAUNCH_VARIANTS:+$COMPARE_DIR/$1}${LAUNCH_VARIANTS:-$RUN_DIR}"
+  [[ $job_status == SUCCEEDED ]] || die 1 "job $SUBMIT_ID did not succeed ($job_status; log $job_log)"
 }
 
 run_worker() {
@@ -433,7 +627,8 @@ run_worker() {
     fi
     ((SECONDS < deadline)) || die 1 "could not join the Ray head at $MASTER_IP:$RAY_PORT within ${JOIN_TIMEOUT_S}s ($attempt attempts; last: $reason). Start the launcher on the head ($MASTER_ADDR) too, and check RAY_PORT and the firewall"
     log "attempt $attempt: $reason; retrying ($((deadline - SECONDS))s left)"
-    sleep 5
+    pause_at joining
+    run_waiting sleep 5
   done
   log "joined the Ray cluster at $MASTER_IP:$RAY_PORT as $NODE_IP; staying until the head's job ends"
   local misses=0
@@ -444,6 +639,6 @@ run_worker() {
       log "the head $MASTER_IP:$RAY_PORT is gone (its job ended or it stopped)"
       return 0
     fi
-    sleep 5
+    run_waiting sleep 5
   done
 }
