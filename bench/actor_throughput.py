@@ -308,6 +308,7 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_toke
     """This rank's numbers for one layout (torch.distributed and the CPU platform are up): per
     measured step the log-prob pass, whose log-probs become ``old_log_probs``, then a train step;
     micro-batches by rows, or by the token budget ``max_tokens``."""
+    from loss.gspo import PAPER_SETTINGS
     from loss.megatron_hook import ActorLossConfig, log_prob_func, policy_loss_func
     from megatron_bridge.runtime.actor import initialize_parallel
 
@@ -320,7 +321,7 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_toke
 
     batch = make_batch(shape, actor.spec.vocab_size)
     mine = dp_share(batch, by_length=max_tokens is not None)
-    loss_cfg = ActorLossConfig()  # GSPO defaults
+    loss_cfg = ActorLossConfig(loss_mode="gspo", policy=PAPER_SETTINGS)
     log_probs = partial(actor.forward_only, mine, shape.micro_batch, partial(log_prob_func, loss_cfg.temperature, False),
                         max_tokens)
     update = partial(actor.train_step, mine, shape.micro_batch, partial(policy_loss_func, loss_cfg), max_tokens)

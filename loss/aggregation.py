@@ -4,6 +4,8 @@ Mode names follow verl (``verl/trainer/ppo/core_algos.py::agg_loss``) so that
 numbers carry over between the two code bases.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 LOSS_AGG_MODES: tuple[str, ...] = (
@@ -17,6 +19,17 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 # A count may arrive as a Python number (from config/bookkeeping) or as a tensor
 # (e.g. the result of an all-reduce); both divide the same way.
 Count = int | float | torch.Tensor
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """What a loss over one call's rows is normalised by, so that the calls of a micro-batched,
+    data-parallel mini-batch add up to the whole mini-batch's loss (see ``agg_loss``). The
+    defaults say: this call is the whole batch."""
+
+    dp_size: int = 1
+    batch_num_tokens: Count | None = None  # valid tokens in the whole mini-batch (all ranks)
+    global_batch_size: Count | None = None  # rows with a valid token in the whole mini-batch
 
 
 def _at_least_one(count: Count) -> Count:

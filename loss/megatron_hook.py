@@ -25,15 +25,15 @@ Importing this module does not import megatron (see ``loss.vocab_parallel``).
 """
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
 
-from .aggregation import LOSS_AGG_MODES, agg_loss
+from .aggregation import Normalization, agg_loss
 from .kl import KL_PENALTY_TYPES, kl_penalty
 from .policy import compute_policy_loss
-from .registry import policy_loss_modes
+from .registry import PolicyLossSettings, policy_loss_modes
 from .vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
 Metrics = dict[str, torch.Tensor]
@@ -47,13 +47,12 @@ def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:
 
 @dataclass(frozen=True)
 class ActorLossConfig:
-    """The actor's loss settings; names and defaults follow verl's actor config (GSPO defaults)."""
+    """The actor's loss settings, named as verl's actor config, with verl's defaults: the policy
+    loss's clip and aggregation settings (``policy``, passed to the loss whole), the KL loss, the
+    entropy bonus and the sampling temperature. The recipe's config builds it from its keys."""
 
-    loss_mode: str = "gspo"
-    clip_ratio_low: float = 3e-4
-    clip_ratio_high: float = 4e-4
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "seq-mean-token-mean"
+    loss_mode: str = "vanilla"
+    policy: PolicyLossSettings = PolicyLossSettings()
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -62,14 +61,13 @@ class ActorLossConfig:
 
     def __post_init__(self) -> None:
         _check_choice("loss_mode", self.loss_mode, policy_loss_modes())
-        _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice("kl_loss_type", self.kl_loss_type, KL_PENALTY_TYPES)
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
 
-@dataclass(frozen=True)
-class MiniBatchNorm:
+@dataclass(frozen=True, kw_only=True)
+class MiniBatchNorm(Normalization):
     """How one optimizer step's loss is normalised.
 
     ``batch_num_tokens`` counts valid response tokens and ``global_batch_size`` rows with at least
@@ -78,10 +76,11 @@ class MiniBatchNorm:
     divides this rank's losses by (its ``num_microbatches`` argument).
     """
 
-    dp_size: int
-    num_microbatches: int
-    batch_num_tokens: int
-    global_batch_size: int
+    # Required here (the base class's defaults describe one whole batch, not a mini-batch's share).
+    dp_size: int = field()
+    batch_num_tokens: int = field()
+    global_batch_size: int = field()
+    num_microbatches: int = field()
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or self.num_microbatches < 1:
@@ -143,7 +142,7 @@ def policy_loss_func(
     """megatron ``loss_func``: the micro-batch's share of the mini-batch loss, and its metrics.
 
     loss = pg_loss + kl_loss_coef * kl_loss - entropy_coeff * entropy_loss, each aggregated with
-    ``cfg.loss_agg_mode`` over the global mini-batch (``norm``), then multiplied by
+    ``cfg.policy.loss_agg_mode`` over the global mini-batch (``norm``), then multiplied by
     ``norm.num_microbatches`` because megatron divides every micro-batch's loss by it (with
     ``calculate_per_token_loss=False``). With DDP averaging over DP ranks, the step's gradient is
     then the gradient of the whole-mini-batch loss, however the mini-batch is split.
@@ -161,21 +160,12 @@ def policy_loss_func(
     with contextlib.nullcontext() if cfg.entropy_coeff != 0 else torch.no_grad():
         entropy = vocab_parallel_entropy(window, cfg.temperature)
 
+    pg_loss, pg_metrics = compute_policy_loss(
+        cfg.loss_mode, micro_batch["old_log_probs"], log_probs, micro_batch["advantages"], mask, cfg.policy, norm,
+        rollout_is_weights=micro_batch.get("rollout_is_weights"),
+    )
     norm_kwargs = dict(
         dp_size=norm.dp_size, batch_num_tokens=norm.batch_num_tokens, global_batch_size=norm.global_batch_size
-    )
-    pg_loss, pg_metrics = compute_policy_loss(
-        cfg.loss_mode,
-        micro_batch["old_log_probs"],
-        log_probs,
-        micro_batch["advantages"],
-        mask,
-        clip_ratio_low=cfg.clip_ratio_low,
-        clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c,
-        loss_agg_mode=cfg.loss_agg_mode,
-        **norm_kwargs,
-        rollout_is_weights=micro_batch.get("rollout_is_weights"),
     )
     # Each aggregated term carries a factor dp_size (for DDP's average); metrics drop it.
     loss = pg_loss
@@ -189,12 +179,12 @@ def policy_loss_func(
             torch.where(mask, micro_batch["ref_log_probs"], 0.0),
             cfg.kl_loss_type,
         )
-        kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **norm_kwargs)
+        kl_loss = agg_loss(kl, mask, cfg.policy.loss_agg_mode, **norm_kwargs)
         loss = loss + cfg.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.detach().float() / norm.dp_size
 
     if cfg.entropy_coeff != 0:
-        loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **norm_kwargs)
+        loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.policy.loss_agg_mode, **norm_kwargs)
 
     metrics["actor/entropy"] = agg_loss(
         entropy.detach(), mask, "token-mean", batch_num_tokens=norm.batch_num_tokens

@@ -4,8 +4,8 @@ import inspect
 
 import torch
 
-from .aggregation import Count
-from .registry import PolicyLossFn, get_policy_loss_fn
+from .aggregation import Normalization
+from .registry import PolicyLossFn, PolicyLossSettings, get_policy_loss_fn
 
 
 def check_shapes(what: str, **tensors: torch.Tensor) -> None:
@@ -32,22 +32,16 @@ def compute_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str,
-    dp_size: int = 1,
-    batch_num_tokens: Count | None = None,
-    global_batch_size: Count | None = None,
+    settings: PolicyLossSettings,
+    norm: Normalization = Normalization(),
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss of the registered mode ``loss_mode`` (e.g. ``vanilla``, ``gspo``, ``gspo_token``).
 
-    All tensors are (batch, response_len); ``response_mask`` is 0/1. See
-    ``agg_loss`` for ``loss_agg_mode`` and for how ``dp_size``,
-    ``batch_num_tokens`` and ``global_batch_size`` make micro-batched,
-    data-parallel losses add up to the whole-batch loss.
+    All tensors are (batch, response_len); ``response_mask`` is 0/1. ``settings`` holds the clip
+    range and the aggregation mode; see ``agg_loss`` for the modes and for how ``norm`` makes
+    micro-batched, data-parallel losses add up to the whole-batch loss (the default: this call is
+    the whole batch).
 
     ``rollout_is_weights`` (batch, response_len), from ``rollout_correction``,
     multiplies the per-token loss before aggregation, as verl's decoupled
@@ -72,17 +66,4 @@ def compute_policy_loss(
     )
     if weights:
         _check_takes_rollout_is_weights(loss_mode, fn)
-    return fn(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        **weights,
-    )
+    return fn(old_log_prob, log_prob, advantages, response_mask, settings, norm, **weights)

@@ -1,16 +1,38 @@
 """Name -> policy-loss function registry, so configs can select (and users add) modes by string."""
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from .aggregation import Count
+from .aggregation import LOSS_AGG_MODES, Normalization
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The clip and aggregation settings every policy loss takes, passed whole.
+
+    The defaults are verl's actor config, and the only defaults of these keys in the package (the
+    recipe's config reads them from here); GSPO's paper values are ``loss.gspo.PAPER_SETTINGS``.
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (``vanilla``)
+    loss_agg_mode: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"loss_agg_mode={self.loss_agg_mode!r} is unknown; valid choices: {', '.join(LOSS_AGG_MODES)}"
+            )
 
 
 class PolicyLossFn(Protocol):
     """Signature every registered policy loss implements.
 
-    Returns the scalar loss (already aggregated with ``agg_loss``) and a dict of
+    ``settings`` holds the clip range and ``settings.loss_agg_mode``; ``norm`` what ``agg_loss``
+    normalises by. Returns the scalar loss (already aggregated with ``agg_loss``) and a dict of
     Python-float metrics with at least ``actor/pg_clipfrac``, ``actor/ppo_kl``
     and ``actor/pg_clipfrac_lower``.
 
@@ -25,14 +47,8 @@ class PolicyLossFn(Protocol):
         log_prob: torch.Tensor,
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
-        *,
-        clip_ratio_low: float,
-        clip_ratio_high: float,
-        clip_ratio_c: float,
-        loss_agg_mode: str,
-        dp_size: int,
-        batch_num_tokens: Count | None,
-        global_batch_size: Count | None,
+        settings: PolicyLossSettings,
+        norm: Normalization,
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from .aggregation import Count, agg_loss
-from .registry import register_policy_loss
+from .aggregation import Normalization, agg_loss
+from .registry import PolicyLossSettings, register_policy_loss
 from .surrogate import apply_rollout_is_weights, clipped_surrogate, masked_inputs, policy_metrics
 
 # verl's bound on the per-token log ratio: keeps exp() finite for any single wild token.
@@ -16,14 +16,8 @@ def compute_policy_loss_vanilla(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    loss_agg_mode: str,
-    dp_size: int,
-    batch_num_tokens: Count | None,
-    global_batch_size: Count | None,
+    settings: PolicyLossSettings,
+    norm: Normalization,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO loss; ratios are clipped to [1-low, 1+high].
@@ -31,19 +25,21 @@ def compute_policy_loss_vanilla(
     Dual clip (arXiv 1912.09729): for A < 0 the clipped loss grows without
     bound in the ratio, so it is capped at -A * clip_ratio_c.
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
+    if settings.clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {settings.clip_ratio_c}")
     mask = response_mask.bool()
     log_ratio, advantages = masked_inputs(old_log_prob, log_prob, advantages, mask)
     log_ratio = torch.clamp(log_ratio, -_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
 
-    clip_loss, clipped = clipped_surrogate(advantages, torch.exp(log_ratio), clip_ratio_low, clip_ratio_high)
-    dual_clip_loss = -advantages * clip_ratio_c
+    clip_loss, clipped = clipped_surrogate(
+        advantages, torch.exp(log_ratio), settings.clip_ratio_low, settings.clip_ratio_high
+    )
+    dual_clip_loss = -advantages * settings.clip_ratio_c
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(clip_loss, dual_clip_loss), clip_loss)
     loss_mat = apply_rollout_is_weights(loss_mat, rollout_is_weights, mask)
 
-    loss = agg_loss(loss_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    loss = agg_loss(loss_mat, mask, settings.loss_agg_mode, norm.dp_size, norm.batch_num_tokens, norm.global_batch_size)
     metrics = policy_metrics(
         mask,
         pg_clipfrac=clipped,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, RolloutCorrectionConfig, policy_loss_modes
+from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, PolicyLossSettings, RolloutCorrectionConfig, policy_loss_modes
 from loss.megatron_hook import ActorLossConfig
 from megatron_bridge.runtime.optim import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
@@ -75,9 +75,13 @@ class ModelConfig:
     dtype: str = "bfloat16"  # params dtype of actor and rollout
 
 
+# The loss keys' defaults are the loss package's (verl's), not repeated here.
+_LOSS = ActorLossConfig()
+
+
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss_mode: str = "vanilla"
+    loss_mode: str = _LOSS.loss_mode
 
 
 @dataclass(frozen=True)
@@ -112,17 +116,16 @@ class ActorConfig:
     use_dynamic_bsz: bool = False  # micro-batches by token budget instead of by rows
     ppo_max_token_len_per_gpu: int = 16384  # that budget: padded tokens per micro-batch (x context parallel)
     ppo_epochs: int = 1
-    # the loss keys, with verl's defaults (the algo fragments set them); RecipeConfig.actor_loss hands them
-    # to the loss hook whole. loss.megatron_hook.ActorLossConfig's own defaults are GSPO's, for direct use.
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
+    # the loss keys (the algo fragments set them), flat as in verl; RecipeConfig.actor_loss groups them
+    clip_ratio_low: float = _LOSS.policy.clip_ratio_low
+    clip_ratio_high: float = _LOSS.policy.clip_ratio_high
+    clip_ratio_c: float = _LOSS.policy.clip_ratio_c
+    loss_agg_mode: str = _LOSS.policy.loss_agg_mode
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
+    use_kl_loss: bool = _LOSS.use_kl_loss
+    kl_loss_coef: float = _LOSS.kl_loss_coef
+    kl_loss_type: str = _LOSS.kl_loss_type
+    entropy_coeff: float = _LOSS.entropy_coeff
     optim: ActorOptimConfig = field(default_factory=ActorOptimConfig)
     megatron: ActorMegatronConfig = field(default_factory=ActorMegatronConfig)
 
@@ -271,10 +274,11 @@ class RecipeConfig:
         """The loss hook's settings: the actor's loss keys, and the rollout's temperature (the actor
         divides its logits by it, as the engine did when sampling)."""
         a = self.actor_rollout_ref.actor
+        policy = PolicyLossSettings(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                                    clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
         return ActorLossConfig(
-            loss_mode=a.policy_loss.loss_mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss,
-            kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
+            loss_mode=a.policy_loss.loss_mode, policy=policy, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+            kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
             temperature=self.actor_rollout_ref.rollout.temperature,
         )
 

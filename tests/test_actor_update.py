@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from loss import PolicyLossSettings
 from loss.megatron_hook import ActorLossConfig
 from megatron_bridge.plan.layout import TrainParallel
 from tests.distributed import run_ranks
@@ -21,8 +22,8 @@ ROWS, WIDTH = 8, 6
 OPTIM = dict(lr=1e-3, adam_eps=1e-4, weight_decay=0.1, clip_grad=1.0)
 LOSSES = {
     # Clip ranges wide enough that some sequences are clipped and some are not.
-    "gspo": ActorLossConfig(loss_mode="gspo", clip_ratio_low=0.2, clip_ratio_high=0.2),
-    "grpo": ActorLossConfig(loss_mode="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean",
+    "gspo": ActorLossConfig(loss_mode="gspo", policy=PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="seq-mean-token-mean")),
+    "grpo": ActorLossConfig(loss_mode="vanilla", policy=PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean"),
                             use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01),
 }
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loss import LOSS_AGG_MODES, agg_loss, compute_policy_loss
+from loss import LOSS_AGG_MODES, Normalization, PolicyLossSettings, agg_loss, compute_policy_loss
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 0.0, 0.0, 0.0]])
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
@@ -89,7 +89,7 @@ def _policy_loss(loss_mode):
     def fn(leaf, rows, mode, **agg_kwargs):
         loss, _ = compute_policy_loss(
             loss_mode, old[rows], old[rows] + delta[rows] + leaf[rows], adv[rows], SHARD_MASK[rows],
-            clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode, **agg_kwargs,
+            PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode), Normalization(**agg_kwargs),
         )  # fmt: skip
         return loss
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from loss import LOSS_AGG_MODES, agg_loss, compute_policy_loss, entropy_from_logits, kl_penalty, masked_mean
+from loss import LOSS_AGG_MODES, agg_loss, PolicyLossSettings, compute_policy_loss, entropy_from_logits, kl_penalty, masked_mean
 from loss.megatron_hook import ActorLossConfig, MiniBatchNorm
 from tests.distributed import run_ranks
 from tests.numerics import rounding
@@ -240,7 +240,7 @@ def _hook_batch(seed: int, padding: float) -> tuple[dict, torch.Tensor, torch.Te
 
 def _hook_config(loss_mode: str, loss_agg_mode: str, kl_loss_type: str = "low_var_kl") -> ActorLossConfig:
     return ActorLossConfig(
-        loss_mode=loss_mode, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=loss_agg_mode,
+        loss_mode=loss_mode, policy=PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=loss_agg_mode),
         use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type=kl_loss_type, entropy_coeff=0.05, temperature=0.8,
     )
 
@@ -250,10 +250,9 @@ def _reference_loss(cfg: ActorLossConfig, batch: dict, logits: torch.Tensor, len
     log_probs, entropy = _loop_response(
         logits, batch["input_ids"], batch["prompt_lengths"], lengths, WIDTH, cfg.temperature
     )
-    mask, mode = batch["response_mask"], cfg.loss_agg_mode
+    mask, mode = batch["response_mask"], cfg.policy.loss_agg_mode
     pg_loss, pg_metrics = compute_policy_loss(
-        cfg.loss_mode, batch["old_log_probs"], log_probs, batch["advantages"], mask,
-        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, loss_agg_mode=mode,
+        cfg.loss_mode, batch["old_log_probs"], log_probs, batch["advantages"], mask, cfg.policy
     )
     kl_loss = agg_loss(kl_penalty(log_probs, batch["ref_log_probs"], cfg.kl_loss_type), mask, mode)
     loss = pg_loss + cfg.kl_loss_coef * kl_loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode)
@@ -434,7 +433,8 @@ def torch_only_hook(monkeypatch):
 
 def _whole_batch_loss(hook, cfg: ActorLossConfig, batch: dict, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
     mask = batch["response_mask"].bool()
-    norm = MiniBatchNorm(1, 1, batch_num_tokens=int(mask.sum()), global_batch_size=int(mask.any(-1).sum()))
+    norm = MiniBatchNorm(dp_size=1, num_microbatches=1, batch_num_tokens=int(mask.sum()),
+                         global_batch_size=int(mask.any(-1).sum()))
     leaf = logits.clone().requires_grad_()
     loss, metrics = hook.policy_loss_func(cfg, norm, batch, leaf)
     (grad,) = torch.autograd.grad(loss, leaf)
@@ -461,8 +461,7 @@ def test_policy_loss_func_applies_rollout_is_weights_from_the_micro_batch(torch_
         logits, batch["input_ids"], batch["prompt_lengths"], WIDTH, cfg.temperature, False
     )
     expected_pg, _ = compute_policy_loss(
-        cfg.loss_mode, batch["old_log_probs"], log_probs, batch["advantages"], mask,
-        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, loss_agg_mode=loss_agg_mode,
+        cfg.loss_mode, batch["old_log_probs"], log_probs, batch["advantages"], mask, cfg.policy,
         rollout_is_weights=weights,
     )  # fmt: skip
     # the same fp32 terms, |A| x weight x ratio at most, summed by another code path
@@ -487,7 +486,7 @@ def test_policy_loss_func_applies_rollout_is_weights_from_the_micro_batch(torch_
 # --- in-process: config validation and import isolation ------------------------------------------
 @pytest.mark.parametrize(
     "field, value, listed",
-    [("loss_mode", "ppo2", "gspo"), ("loss_agg_mode", "mean", "token-mean"), ("kl_loss_type", "k4", "low_var_kl")],
+    [("loss_mode", "ppo2", "gspo"), ("kl_loss_type", "k4", "low_var_kl")],
 )
 def test_config_rejects_unknown_choices_naming_field_and_choices(field, value, listed):
     with pytest.raises(ValueError, match=field) as info:
@@ -501,10 +500,19 @@ def test_config_rejects_non_positive_temperature(temperature):
         ActorLossConfig(temperature=temperature)
 
 
-def test_config_defaults_are_gspo_and_frozen():
+def test_config_defaults_are_verls_and_the_recipes_and_frozen():
+    from recipe.config import ActorConfig
+
     cfg = ActorLossConfig()
-    assert (cfg.loss_mode, cfg.loss_agg_mode, cfg.clip_ratio_low, cfg.clip_ratio_high) == (
-        "gspo", "seq-mean-token-mean", 3e-4, 4e-4,
+    assert (cfg.loss_mode, cfg.policy.loss_agg_mode, cfg.policy.clip_ratio_low, cfg.policy.clip_ratio_high) == (
+        "vanilla", "token-mean", 0.2, 0.2,
+    )
+    # One source: the recipe's loss keys default to the loss package's values.
+    actor = ActorConfig()
+    assert (actor.policy_loss.loss_mode, actor.loss_agg_mode, actor.clip_ratio_low, actor.clip_ratio_high,
+            actor.clip_ratio_c, actor.kl_loss_coef, actor.kl_loss_type, actor.entropy_coeff) == (
+        cfg.loss_mode, cfg.policy.loss_agg_mode, cfg.policy.clip_ratio_low, cfg.policy.clip_ratio_high,
+        cfg.policy.clip_ratio_c, cfg.kl_loss_coef, cfg.kl_loss_type, cfg.entropy_coeff,
     )
     with pytest.raises(AttributeError):
         cfg.temperature = 2.0

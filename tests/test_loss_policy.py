@@ -8,20 +8,23 @@ import torch
 
 import loss.gspo as gspo_module
 import loss.registry as registry_module
-from loss import LOSS_AGG_MODES, compute_policy_loss, get_policy_loss_fn, policy_loss_modes, register_policy_loss
+from loss import (LOSS_AGG_MODES, Normalization, PolicyLossSettings, compute_policy_loss, get_policy_loss_fn,
+                  policy_loss_modes, register_policy_loss)
 
 BUILT_IN_MODES = ("vanilla", "gspo", "gspo_token")
 CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}  # clip range [0.8, 1.28]
 METRIC_KEYS = {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
 
 
-def run(loss_mode, old, log_prob, adv, mask, loss_agg_mode="token-mean", **kwargs):
-    """Loss, d loss / d log_prob and metrics for one call."""
+def run(loss_mode, old, log_prob, adv, mask, loss_agg_mode="token-mean", rollout_is_weights=None, **settings):
+    """Loss, d loss / d log_prob and metrics for one call (settings: the clip range's, over CLIP)."""
     log_prob = log_prob.detach().clone().requires_grad_(True)
+    weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the GSPO aggregation warning has its own test
         loss, metrics = compute_policy_loss(
-            loss_mode, old, log_prob, adv, mask, **{**CLIP, **kwargs}, loss_agg_mode=loss_agg_mode
+            loss_mode, old, log_prob, adv, mask,
+            PolicyLossSettings(**{**CLIP, **settings}, loss_agg_mode=loss_agg_mode), **weights,
         )
     (grad,) = torch.autograd.grad(loss, log_prob)
     assert set(metrics) == METRIC_KEYS and all(type(v) is float for v in metrics.values())
@@ -191,7 +194,7 @@ def test_gspo_warns_once_per_mode_and_non_paper_aggregation(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # the once-only behaviour must come from the library
         for loss_mode, agg in calls:
-            compute_policy_loss(loss_mode, old, log_prob, adv, mask, **CLIP, loss_agg_mode=agg)
+            compute_policy_loss(loss_mode, old, log_prob, adv, mask, PolicyLossSettings(**CLIP, loss_agg_mode=agg))
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2, messages
     assert "'gspo'" in messages[0] and "'gspo_token'" in messages[1]
@@ -205,7 +208,8 @@ def test_gspo_does_not_warn_with_paper_aggregation(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for loss_mode in ("gspo", "gspo_token"):
-            compute_policy_loss(loss_mode, old, log_prob, adv, mask, **CLIP, loss_agg_mode="seq-mean-token-mean")
+            settings = PolicyLossSettings(**CLIP, loss_agg_mode="seq-mean-token-mean")
+            compute_policy_loss(loss_mode, old, log_prob, adv, mask, settings)
     assert caught == []
 
 
@@ -277,23 +281,21 @@ def test_user_registered_mode_is_dispatched_by_name(scratch_registry):
     received = {}
 
     @register_policy_loss("test_user_mode")
-    def user_loss(old_log_prob, log_prob, advantages, response_mask, **kwargs):
-        received.update(kwargs)
+    def user_loss(old_log_prob, log_prob, advantages, response_mask, settings, norm):
+        received.update(settings=settings, norm=norm)
         return (log_prob * advantages).sum(), {"actor/pg_clipfrac": 0.25}
 
     assert "test_user_mode" in policy_loss_modes()
     assert get_policy_loss_fn("test_user_mode") is user_loss
     old, log_prob, adv, mask = random_batch()
-    out, metrics = compute_policy_loss(
-        "test_user_mode", old, log_prob, adv, mask, **CLIP, loss_agg_mode="token-sum", dp_size=4,
-        batch_num_tokens=99,
-    )  # fmt: skip
+    settings = PolicyLossSettings(**CLIP, loss_agg_mode="token-sum")
+    norm = Normalization(dp_size=4, batch_num_tokens=99)
+    out, metrics = compute_policy_loss("test_user_mode", old, log_prob, adv, mask, settings, norm)
     assert out.item() == pytest.approx((log_prob * adv).sum().item())
     assert metrics == {"actor/pg_clipfrac": 0.25}
-    assert received == {
-        **CLIP, "clip_ratio_c": 3.0, "loss_agg_mode": "token-sum", "dp_size": 4, "batch_num_tokens": 99,
-        "global_batch_size": None,
-    }  # fmt: skip
+    assert received == {"settings": settings, "norm": norm}  # passed whole
+    compute_policy_loss("test_user_mode", old, log_prob, adv, mask, settings)
+    assert received["norm"] == Normalization(dp_size=1, batch_num_tokens=None, global_batch_size=None)  # whole batch
 
 
 def test_registering_a_taken_name_fails(scratch_registry):
@@ -306,20 +308,19 @@ def test_unknown_mode_lists_registered_names():
     assert set(BUILT_IN_MODES) <= set(policy_loss_modes())
     old, log_prob, adv, mask = random_batch()
     with pytest.raises(ValueError, match="'ppo_typo'") as err:
-        compute_policy_loss("ppo_typo", old, log_prob, adv, mask, **CLIP, loss_agg_mode="token-mean")
+        compute_policy_loss("ppo_typo", old, log_prob, adv, mask, PolicyLossSettings(**CLIP, loss_agg_mode="token-mean"))
     assert all(name in str(err.value) for name in BUILT_IN_MODES)
 
 
 def test_shape_mismatch_names_the_tensors():
     old, log_prob, adv, mask = random_batch()
     with pytest.raises(ValueError, match=r"log_prob=\(6, 6\).*advantages=\(6, 7\)"):
-        compute_policy_loss("vanilla", old, log_prob[:, :6], adv, mask, **CLIP, loss_agg_mode="token-mean")
+        compute_policy_loss("vanilla", old, log_prob[:, :6], adv, mask, PolicyLossSettings(**CLIP, loss_agg_mode="token-mean"))
     with pytest.raises(ValueError, match=r"response_mask=\(6, 7, 1\)"):
-        compute_policy_loss("vanilla", old, log_prob, adv, mask[..., None], **CLIP, loss_agg_mode="token-mean")
+        compute_policy_loss("vanilla", old, log_prob, adv, mask[..., None], PolicyLossSettings(**CLIP, loss_agg_mode="token-mean"))
 
 
-@ALL_LOSSES
-def test_unknown_aggregation_is_rejected(loss_mode):
-    old, log_prob, adv, mask = random_batch()
-    with pytest.raises(ValueError, match="token-median"):
-        compute_policy_loss(loss_mode, old, log_prob, adv, mask, **CLIP, loss_agg_mode="token-median")
+def test_unknown_aggregation_is_rejected_when_the_settings_are_made():
+    with pytest.raises(ValueError, match="loss_agg_mode='token-median' is unknown") as info:
+        PolicyLossSettings(**CLIP, loss_agg_mode="token-median")
+    assert all(mode in str(info.value) for mode in LOSS_AGG_MODES)

@@ -12,6 +12,7 @@ from loss import (
     LOSS_AGG_MODES,
     RolloutCorrectionConfig,
     agg_loss,
+    PolicyLossSettings,
     compute_policy_loss,
     register_policy_loss,
     rollout_correction,
@@ -407,7 +408,7 @@ def test_weights_get_no_gradient():
     weights = torch.rand(mask.shape, dtype=torch.float64, requires_grad=True)
     log_prob.requires_grad_()
     loss, _ = compute_policy_loss(
-        "vanilla", old, log_prob, adv, mask, **CLIP, loss_agg_mode="token-mean", rollout_is_weights=weights
+        "vanilla", old, log_prob, adv, mask, PolicyLossSettings(**CLIP), rollout_is_weights=weights
     )
     assert torch.autograd.grad(loss, [log_prob, weights], allow_unused=True)[1] is None
 
@@ -442,7 +443,7 @@ def test_weight_shape_is_checked():
     old, log_prob, adv, mask = random_batch()
     with pytest.raises(ValueError, match=r"rollout_is_weights=\(6, 1\)"):
         compute_policy_loss(
-            "vanilla", old, log_prob, adv, mask, **CLIP, loss_agg_mode="token-mean", rollout_is_weights=torch.ones(6, 1)
+            "vanilla", old, log_prob, adv, mask, PolicyLossSettings(**CLIP), rollout_is_weights=torch.ones(6, 1)
         )
 
 
@@ -451,23 +452,22 @@ def test_user_mode_without_the_weights_parameter_is_told_how_to_add_it(monkeypat
     received = {}
 
     @register_policy_loss("test_kwargs_mode")
-    def kwargs_mode(old_log_prob, log_prob, advantages, response_mask, **kwargs):
+    def kwargs_mode(old_log_prob, log_prob, advantages, response_mask, settings, norm, **kwargs):
         received.update(kwargs)
         return log_prob.sum(), {}
 
     @register_policy_loss("test_strict_mode")
-    def strict_mode(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, dp_size, clip_ratio_low,
-                    clip_ratio_high, clip_ratio_c, batch_num_tokens, global_batch_size):
+    def strict_mode(old_log_prob, log_prob, advantages, response_mask, settings, norm):
         return log_prob.sum(), {}
 
     old, log_prob, adv, mask = random_batch()
     weights = torch.full(mask.shape, 0.5, dtype=torch.float64)
-    common = dict(**CLIP, loss_agg_mode="token-sum")
-    compute_policy_loss("test_kwargs_mode", old, log_prob, adv, mask, **common, rollout_is_weights=weights)
+    settings = PolicyLossSettings(**CLIP, loss_agg_mode="token-sum")
+    compute_policy_loss("test_kwargs_mode", old, log_prob, adv, mask, settings, rollout_is_weights=weights)
     assert received["rollout_is_weights"] is weights
     with pytest.raises(ValueError, match="'test_strict_mode' does not take rollout_is_weights: give it a keyword"):
-        compute_policy_loss("test_strict_mode", old, log_prob, adv, mask, **common, rollout_is_weights=weights)
-    compute_policy_loss("test_strict_mode", old, log_prob, adv, mask, **common)  # fine without weights
+        compute_policy_loss("test_strict_mode", old, log_prob, adv, mask, settings, rollout_is_weights=weights)
+    compute_policy_loss("test_strict_mode", old, log_prob, adv, mask, settings)  # fine without weights
 
 
 def test_correction_output_feeds_the_loss():

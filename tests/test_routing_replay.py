@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loss.gspo import PAPER_SETTINGS
 from loss.megatron_hook import ActorLossConfig
 from megatron_bridge.moe.hf_routing import HFRoutingRecorder
 from megatron_bridge.moe.table import changed_slots
@@ -29,7 +30,7 @@ from tests.test_rollout_sync import engine_batch
 
 ROWS, WIDTH = 8, 6
 # GSPO's own clip range: any per-sequence ratio off 1 by more than 3e-4 would be clipped.
-GSPO = ActorLossConfig(loss_mode="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+GSPO = ActorLossConfig(loss_mode="gspo", policy=PAPER_SETTINGS)
 LAYOUTS = {
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2_vpp2": (2, dict(pp=2, vpp=2)),

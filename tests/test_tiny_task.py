@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from loss import PolicyLossSettings
 from loss.policy import compute_policy_loss
 from megatron_bridge.weights.hf_checkpoint import HFCheckpoint
 from recipe.data import tiny_task
@@ -255,7 +256,7 @@ def test_grpo_lifts_the_score(warmed_up):
         log_prob = logits.log_softmax(-1).gather(-1, ids[:, start:, None])[..., 0]
         loss, _ = compute_policy_loss(
             "vanilla", log_prob.detach(), log_prob, token_advantages(advantages, mask), mask,
-            clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean",
+            PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.28),
         )
         optimizer.zero_grad()
         loss.backward()

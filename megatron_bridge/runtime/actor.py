@@ -269,7 +269,8 @@ class MegatronActor:
         mask = batch[RESPONSE_MASK].bool()
         counts = torch.tensor([mask.sum(), mask.any(dim=1).sum()], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
-        norm = MiniBatchNorm(self.dp_size, len(micro_batches), int(counts[0]), int(counts[1]))
+        norm = MiniBatchNorm(dp_size=self.dp_size, num_microbatches=len(micro_batches), batch_num_tokens=int(counts[0]),
+                             global_batch_size=int(counts[1]))
 
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
