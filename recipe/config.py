@@ -142,6 +142,9 @@ class ValKwargs:
 @dataclass(frozen=True)
 class RolloutConfig:
     name: str = "auto"  # auto | hf | vllm; auto resolves to the device's engine at load
+    # the engine's weights and compute: bfloat16 beside a float32 trainer is a real train-rollout gap
+    # (docs/stability.md); None: actor_rollout_ref.model.dtype
+    dtype: str | None = None
     n: int = 1  # responses per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -304,6 +307,15 @@ def top_k_rule(v: int) -> str | None:
     return None if v == -1 or v >= 1 else "must be -1 (off) or >= 1"
 
 
+# Seeds stay below 2**31: numpy takes at most 2**32 - 1, and megatron and the data loader add
+# offsets (per rank, per epoch) to the seed they are given.
+MAX_SEED = 2**31 - 1
+
+
+def seed_rule(v: int) -> str | None:
+    return None if 0 <= v <= MAX_SEED else f"must be from 0 to {MAX_SEED}"
+
+
 def freq_rule(v: int) -> str | None:
     return None if v == -1 or v >= 1 else "must be -1 (never) or >= 1"
 
@@ -342,6 +354,7 @@ RULES: dict[str, Rule] = {
     "data.val_batch_size": POSITIVE,
     "data.truncation": one_of(TRUNCATIONS),
     "actor_rollout_ref.model.dtype": one_of(DTYPES),
+    f"{_ROLLOUT}.dtype": one_of(DTYPES),
     f"{_ACTOR}.ppo_mini_batch_size": POSITIVE,
     f"{_ACTOR}.ppo_micro_batch_size_per_gpu": POSITIVE,
     f"{_ACTOR}.ppo_epochs": POSITIVE,
@@ -390,6 +403,8 @@ RULES: dict[str, Rule] = {
     "reward_model.overlong_buffer.len": at_least(0),
     "reward_model.overlong_buffer.penalty_factor": at_least(0),
     "trainer.total_training_steps": POSITIVE,
+    "trainer.seed": seed_rule,
+    "data.seed": seed_rule,
     "trainer.save_freq": freq_rule,
     "trainer.test_freq": freq_rule,
     "trainer.resume_mode": one_of(RESUME_MODES),
@@ -707,7 +722,8 @@ def _resolve_rollout_engine(cfg: RecipeConfig, name: str) -> RecipeConfig:
             f"use {' or '.join(map(repr, runs_here))} or 'auto'"
         )
     engine = runs_here[0] if rollout.name == "auto" else rollout.name
-    arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(rollout, name=engine))
+    dtype = _first_set(rollout.dtype, cfg.actor_rollout_ref.model.dtype)
+    arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(rollout, name=engine, dtype=dtype))
     ignored = cfg.ignored + tuple(f"{_ROLLOUT}.engine_kwargs.{k} (the {engine} engine takes no such arguments)"
                                   for k in rollout.engine_kwargs if k != engine)
     return dataclasses.replace(cfg, actor_rollout_ref=arr, ignored=ignored)

@@ -4,6 +4,7 @@ to end (same prompts, same initial weights, a report)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_bridge.errors import ConfigError
-from recipe.compare.runs import VARIANT_FILE, finished, plan_runs, variant_overrides
+from recipe.compare.runs import VARIANT_FILE, _seeds, finished, plan_runs, variant_overrides
 from recipe.tracking.loggers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,8 +54,24 @@ def test_a_run_is_finished_when_its_last_step_is_logged(tmp_path):
     assert finished(run)
     # the same directory asked to hold other settings: refused, nothing overwritten
     (other,) = plan_runs(str(tmp_path), ["grpo"], [1], ["actor_rollout_ref.actor.optim.lr=1e-4"])
-    with pytest.raises(ConfigError, match="holds a run with other settings"):
+    with pytest.raises(ConfigError, match="holds a run with other settings") as info:
         finished(other)
+    # both sides of the difference: what the directory has, what is asked
+    assert "it has (nothing) where this comparison asks for actor_rollout_ref.actor.optim.lr=1e-4" in str(info.value)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1,,2", "an empty item"), ("1,2,", "an empty item"), (",1", "an empty item"), ("", "an empty item"),
+    ("1,x", "'x' is not a whole number"), ("-1", "'-1' is not a whole number"), ("1,1", "a seed is given twice"),
+    ("2147483648", "seed 2147483648 must be from 0 to 2147483647"),
+])
+def test_seeds_are_refused_before_anything_runs(text, says):
+    with pytest.raises(ConfigError, match=re.escape(f"--seeds {text!r}: ") + ".*" + re.escape(says)):
+        _seeds(text)
+
+
+def test_seeds_in_range_pass():
+    assert _seeds("1, 2,2147483647") == [1, 2, 2147483647]
 
 
 def _compare(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -167,6 +167,25 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     assert stable(resumed[3]) == stable(reference[3])
 
 
+@pytest.mark.slow
+def test_bf16_rollout_beside_a_fp32_trainer_opens_a_train_rollout_gap(tmp_path):
+    """actor_rollout_ref.rollout.dtype=bfloat16: the engine rounds the trainer's fp32 weights to 8
+    mantissa bits (relative 2^-9) and computes in bf16, router included. That moves a token's
+    probability by ~1e-3 and flips near-tied routers, where matching precision stays below the fp32
+    ceilings of test_tiny_recipe_raises_the_score (1e-5 mean, k3 KL 1e-6): the gap is asserted to
+    clear those ceilings fivefold on every step (measured: 14-60 times), and some tokens to route
+    differently."""
+    out = run_main(["--config", TINY["gspo"], f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
+                    "trainer.test_freq=-1", "trainer.val_before_train=false", "actor_rollout_ref.rollout.dtype=bfloat16"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '"dtype": "bfloat16"' in (tmp_path / "config.json").read_text()  # the resolved rollout dtype, recorded
+    history = metrics(tmp_path)
+    for k in (1, 2):
+        m = history[k]
+        assert m["training/rollout_probs_diff_mean"] > 5e-5 and m["rollout_corr/k3_kl"] > 5e-6, m
+    assert sum(history[k]["moe/rollout_routing_mismatch/token_any_frac"] for k in (1, 2)) > 0
+
+
 # --- DP invariance and dead workers (in-process trainer) ----------------------------------------------
 
 

@@ -2,6 +2,7 @@ import json
 import math
 import os
 import random
+import stat
 import statistics
 import subprocess
 import sys
@@ -154,6 +155,15 @@ def _markdown_table(text):
             break
         rows.append(dict(zip(header, (cell.strip() for cell in line.strip("|").split(" | ")))))
     return rows
+
+
+def test_report_directory_is_readable_by_others_as_the_umask_allows(written):
+    """On shared storage others read the report: its directory gets the mode a plain mkdir would
+    (0777 less the umask), not the 0700 of the temporary directory it was written in."""
+    out, _, _ = written
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
 
 
 def test_report_md_table_equals_the_metrics_files(runs, written):

@@ -553,6 +553,12 @@ def _check_out(out_dir: str) -> None:
                           "replaces; choose another --out or empty it")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _move_into_place(staging: str, out_dir: str) -> None:
     if not os.path.isdir(out_dir):
         os.rename(staging, out_dir)
@@ -581,6 +587,7 @@ def write_report(run_dirs: Sequence[str], out_dir: str, rule: Rule = Rule()) -> 
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the report from others on shared storage
     except OSError as err:
         raise ReportError(f"cannot create the report directory {out_dir}: {err}; choose another --out") from err
     try:

@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 
 from megatron_bridge.errors import ConfigError
+from recipe.config import seed_rule
 
 ALGOS = ("grpo", "gspo")
 VARIANT_PARTS: dict[str, tuple[str, ...]] = {
@@ -82,10 +83,13 @@ def finished(run: Run) -> bool:
         return False
     with open(marker) as f:
         recorded = json.load(f)
-    if recorded.get("overrides") != list(run.overrides):
+    held, asked = recorded.get("overrides") or [], list(run.overrides)
+    if held != asked:
+        only_held = [o for o in held if o not in asked] or ["(nothing)"]
+        only_asked = [o for o in asked if o not in held] or ["(nothing)"]
         raise ConfigError(
-            f"{run.directory} holds a run with other settings ({VARIANT_FILE}: {recorded.get('overrides')}); "
-            "pass another --out or delete that directory"
+            f"{run.directory} holds a run with other settings: it has {' '.join(only_held)} where this "
+            f"comparison asks for {' '.join(only_asked)} ({VARIANT_FILE}); pass another --out or delete that directory"
         )
     metrics, provenance = os.path.join(run.directory, METRICS_FILE), os.path.join(run.directory, PROVENANCE_FILE)
     if not (os.path.isfile(metrics) and os.path.isfile(provenance)):
@@ -140,12 +144,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(f"--seeds {text!r}: expected comma-separated whole numbers, e.g. 1,2,3") from None
-    if not seeds or len(set(seeds)) < len(seeds) or min(seeds) < 0:
-        raise ConfigError(f"--seeds {text!r}: expected distinct whole numbers >= 0, e.g. 1,2,3")
+    """The seeds of ``--seeds``, checked before anything runs: every item a whole number (no empty
+    item, no trailing comma), in the recipe's seed range, none twice."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in items):
+        bad = next(item for item in items if not item.isdigit())
+        what = "an empty item (a doubled or trailing comma?)" if not bad else f"{bad!r} is not a whole number >= 0"
+        raise ConfigError(f"--seeds {text!r}: {what}; expected comma-separated seeds, e.g. 1,2,3")
+    seeds = [int(item) for item in items]
+    problem = next((f"seed {seed} {seed_rule(seed)}" for seed in seeds if seed_rule(seed)), None)
+    if problem or len(set(seeds)) < len(seeds):
+        raise ConfigError(f"--seeds {text!r}: {problem or 'a seed is given twice'}; expected distinct seeds, e.g. 1,2,3")
     return seeds
 
 

@@ -88,7 +88,7 @@ class Worker:
         rollout_ep = layout.rollout.ep if ENGINES[cfg.actor_rollout_ref.rollout.name].expert_parallel else 1
         self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, dtype, platform.name, rollout_ep,
                                  make_room=self._sleep_rollout)
-        self.rollout = RolloutWorker(cfg, model_dir, dtype, platform.name)
+        self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name)
         self.sync_weights()
 
         rollout_tp = layout.rollout.tp
