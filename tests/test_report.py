@@ -2,15 +2,18 @@ import json
 import math
 import os
 import random
+import re
 import stat
 import statistics
 import subprocess
 import sys
 
 import pytest
+from matplotlib.collections import PathCollection
 
 from recipe.compare import report
-from recipe.compare.report import PLOTS, ReportError, Rule, group_runs, instability_step, load_run, metric_figure, write_report
+from recipe.compare.report import (PLOTS, ReportError, Rule, decline_step, group_runs, instability, instability_step, load_run,
+                                   metric_figure, never_learned_step, write_report)
 
 SCORE, VAL, GRAD = "critic/score/mean", "val/score/mean", "actor/grad_norm"
 CLIP, DRIFT, DIFF, TIME = ("actor/pg_clipfrac", "moe/routing_drift/slot_frac", "training/rollout_probs_diff_mean",
@@ -118,6 +121,7 @@ def _expected(variant_records, window=5):
         "clipfrac_mean": (CLIP, statistics.mean),
         "routing_drift_mean": (DRIFT, statistics.mean),
         "probs_diff_mean": (DIFF, statistics.mean),
+        "k3_kl_mean": ("rollout_corr/k3_kl", statistics.mean),
         "wall_time_s": (TIME, sum),
     }
     out = {}
@@ -131,7 +135,7 @@ def test_summary_json_numbers_equal_the_metrics_files(runs, written):
     _, dirs, records = runs
     _, summary, data = written
     assert [v["variant"] for v in data["variants"]] == ["grpo", "gspo", "grpo_r2"]
-    assert data["rule"] == {"window": 5, "drop": 0.5, "spike_factor": 3.0}
+    assert data["rule"] == {"window": 5, "drop": 0.5, "spike_factor": 3.0, "learn": 0.2}
     for variant in data["variants"]:
         expected = _expected(records[variant["variant"]])
         for name, value in expected.items():
@@ -139,7 +143,7 @@ def test_summary_json_numbers_equal_the_metrics_files(runs, written):
     grpo, gspo, r2 = data["variants"]
     assert [(r["run_dir"], r["seed"], r["steps"]) for r in grpo["runs"]] == [(dirs[0], 0, 30), (dirs[1], 1, 30)]
     assert (r2["runs"][0]["seed"], r2["runs"][0]["steps"]) == (None, 25)
-    assert [r["unstable_step"] for r in grpo["runs"]] == [COLLAPSE_STEP, None]
+    assert [(r["unstable_kind"], r["unstable_step"]) for r in grpo["runs"]] == [("collapse", COLLAPSE_STEP), (None, None)]
     assert gspo["runs"][0]["unstable_step"] is None and r2["runs"][0]["unstable_step"] is None
     assert all(r["rule_checked"] for v in data["variants"] for r in v["runs"])
     assert data == json.loads(json.dumps(report.asdict(summary)))  # the return value is what was written
@@ -185,9 +189,32 @@ def test_report_md_table_equals_the_metrics_files(runs, written):
                 tolerance = {"abs": 0.051} if name == "wall_time_s" else {"rel": 1e-3}
                 assert float(row[header]) == pytest.approx(expected[name], **tolerance), (row["variant"], header)
     assert [(row["runs"], row["steps"]) for row in rows] == [("2", "30"), ("1", "30"), ("1", "25")]
-    assert [row["unstable"] for row in rows] == [f"seed 0: step {COLLAPSE_STEP}, seed 1: no", "no", "no"]
-    assert "window 5 steps, drop 0.5, spike factor 3" in text
+    assert [row["unstable"] for row in rows] == [f"seed 0: collapse at step {COLLAPSE_STEP}, seed 1: no", "no", "no"]
+    assert "window 5 steps, drop 0.5, spike factor 3, learn 0.2" in text
     assert "`actor.loss_mode`" in text and "`seed`" in text and "`actor.clip`" in text  # config differences
+
+
+def test_r3_shaped_table_has_final_scores_per_seed_and_flags_over_seeds(runs, written):
+    _, _, records = runs
+    out, _, _ = written
+    lines = (out / "report.md").read_text().split("## In the R3 paper's shape")[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| variant |"))
+    header = [cell.strip() for cell in lines[start].strip("|").split(" | ")]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        row = dict(zip(header, (cell.strip() for cell in line.strip("|").split(" | "))))
+        rows[row["variant"]] = row
+    finals = [statistics.mean(_values(r, SCORE)[-5:]) for r in records["grpo"]]
+    mean, low, high = (float(x) for x in re.findall(r"-?[\d.]+(?:e-?\d+)?", rows["grpo"]["final score (last 5): mean (min – max)"]))
+    assert (mean, low, high) == pytest.approx((statistics.mean(finals), min(finals), max(finals)), rel=1e-3)
+    assert rows["grpo"]["per seed"] == f"seed 0: {finals[0]:.3g}, seed 1: {finals[1]:.3g}"
+    assert rows["grpo"]["flagged / seeds"] == "1 / 2 (1 collapse)" and rows["grpo"]["median flagged step"] == str(COLLAPSE_STEP)
+    assert rows["gspo"]["flagged / seeds"] == "0 / 1" and rows["gspo"]["median flagged step"] == "–"
+    k3 = statistics.mean(statistics.mean(_values(r, "rollout_corr/k3_kl")) for r in records["grpo"])
+    assert float(rows["grpo"]["mean rollout_corr/k3_kl"]) == pytest.approx(k3, rel=1e-3)
+    assert rows["grpo_r2"]["mean rollout_corr/k3_kl"] == "–"  # not logged
 
 
 def test_plots_one_line_per_variant_that_has_the_metric(runs, written):
@@ -223,6 +250,30 @@ def test_figure_has_a_line_per_variant_and_a_band_for_several_seeds(runs):
     assert metric_figure(next(p for p in PLOTS if p.key == "actor/entropy"), groups) is None
 
 
+def test_the_flag_sits_on_the_flagged_seeds_own_curve_and_heat_maps_share_a_scale(runs):
+    _, dirs, records = runs
+    groups = group_runs([load_run(d) for d in dirs])
+    score_plot = next(plot for plot in PLOTS if plot.key == SCORE)
+    collapsed = groups["grpo"][0]
+    figure, _ = metric_figure(score_plot, groups, {"grpo": [(collapsed, COLLAPSE_STEP)]})
+    axes = figure.axes[0]
+    (x,) = [c for c in axes.collections if isinstance(c, PathCollection)]  # the scatter; bands are PolyCollections
+    assert tuple(x.get_offsets()[0]) == (COLLAPSE_STEP, _values(records["grpo"][0], SCORE)[COLLAPSE_STEP - 1])
+    thin = [line for line in axes.get_lines() if line.get_linewidth() == 0.8]
+    assert len(thin) == 1 and list(thin[0].get_ydata()) == _values(records["grpo"][0], SCORE)
+    styles = [line.get_linestyle() for line in axes.get_lines() if line.get_label() in groups]
+    assert len(set(styles)) == len(styles) == 3  # coinciding variants stay apart
+    top = max(v for d in dirs for r in read_jsonl_records(d) for k, v in r.items() if k.startswith(f"{DRIFT}/layer_"))
+    for variant in ("grpo", "gspo"):
+        mesh = report.drift_heatmap(variant, groups[variant], top).axes[0].collections[0]
+        assert mesh.norm.vmin == 0.0 and mesh.norm.vmax == top
+
+
+def read_jsonl_records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        return [json.loads(line) for line in file]
+
+
 def test_rule_fires_at_the_planted_step():
     assert instability_step(*_as_series(*_collapsing()), Rule()) == COLLAPSE_STEP
     # The same collapse with the spike 5 steps before the drop crosses 0.5: outside the look-back.
@@ -253,9 +304,45 @@ def test_a_kl_burst_with_the_collapse_fires_when_the_gradient_vanishes():
 def test_rule_does_not_fire_on_noise_or_a_spike_alone():
     assert instability_step(*_as_series(*_noisy(random.Random(1), steps=200)), Rule()) is None
     assert instability_step(*_as_series(*_spike_without_drop()), Rule()) is None
-    # A collapse without a spike does not fire either.
+    # A collapse without a spike is no collapse ...
     scores, _ = _collapsing()
     assert instability_step(*_as_series(scores, [1.0] * len(scores)), Rule()) is None
+    # ... but once the score has stayed down for a window, a decline.
+    assert instability(*_as_series(scores, [1.0] * len(scores)), Rule()) == ("decline", COLLAPSE_STEP + 4)
+
+
+def _slow_decline(steps=40):
+    """Learns to 0.7 by step 14, then loses 0.06 a step without any burst (a GSPO seed at lr 5e-3)."""
+    scores = [min(0.05 * step, 0.7) if step <= 14 else 0.7 - 0.06 * (step - 14) for step in range(1, steps + 1)]
+    return scores, [1.0] * steps
+
+
+def test_a_slow_decline_without_a_burst_is_flagged_as_a_decline():
+    scores, grads = _slow_decline()
+    smoothed = [statistics.mean(scores[end - 5:end]) for end in range(5, len(scores) + 1)]
+    best = [max(smoothed[:i + 1]) for i in range(len(smoothed))]
+    below = [b - s > 0.5 for b, s in zip(best, smoothed)]
+    first = next(i for i in range(len(below)) if all(below[i - 4:i + 1]) and i >= 4)
+    assert instability_step(*_as_series(scores, grads), Rule()) is None  # no burst: the v1 rule misses it
+    assert decline_step(list(enumerate(scores, 1)), Rule()) == first + 5  # smoothed index -> step
+    assert instability(*_as_series(scores, grads), Rule()) == ("decline", first + 5)
+    # A dip that recovers within the window is no decline.
+    dip = [0.6] * 20 + [-0.6] * 4 + [0.6] * 16
+    assert decline_step(list(enumerate(dip, 1)), Rule()) is None
+
+
+def test_a_run_that_never_learns_is_flagged_at_its_last_step():
+    rng = random.Random(3)
+    flat = [-0.8 + rng.uniform(-0.15, 0.15) for _ in range(40)]
+    assert instability(*_as_series(flat, [1.0] * 40), Rule()) == ("no learning", 40)
+    # learning (the noisy planted curve rises 0.7) is not flagged, nor a run too short to judge
+    assert instability(*_as_series(*_noisy(random.Random(1), steps=40)), Rule()) is None
+    assert never_learned_step(list(enumerate(flat[:9], 1)), Rule()) is None  # 9 < 2 x window scores
+    assert never_learned_step(list(enumerate(flat[:10], 1)), Rule()) == 10
+    # a rise of 0.3 (smoothed: first s -0.77, last -0.53) learns at learn 0.2, not at 0.5
+    slow = [-0.8 + 0.3 * step / 40 for step in range(1, 41)]
+    assert never_learned_step(list(enumerate(slow, 1)), Rule()) is None
+    assert never_learned_step(list(enumerate(slow, 1)), Rule(learn=0.5)) == 40
 
 
 def test_rule_edge_cases():
@@ -267,7 +354,7 @@ def test_rule_edge_cases():
     # No score or no grad norm: nothing to fire on.
     assert instability_step([], [list(enumerate([1.0] * 10))], Rule()) is None
     assert instability_step(list(enumerate(scores)), [], Rule()) is None
-    for bad in ({"window": 0}, {"drop": 0}, {"spike_factor": -1.0}, {"window": 2.5}):
+    for bad in ({"window": 0}, {"drop": 0}, {"spike_factor": -1.0}, {"window": 2.5}, {"learn": 0}):
         with pytest.raises(ReportError, match="--"):
             Rule(**bad)
 
@@ -354,3 +441,38 @@ def test_an_existing_report_is_replaced_and_other_directories_refused(tmp_path):
         write_report([second], str(tmp_path / "a"))  # a run directory is no report to replace
     with pytest.raises(ReportError, match="given twice"):
         write_report([first, first], str(out))
+
+
+def _run(variant, seed, config, fingerprint=((1.0, 2.0),), hashes=(11.0, 12.0, 13.0)):
+    series = {"data/prompt_hash": list(enumerate(hashes, start=1))}
+    return report.Run(f"/runs/{variant}/seed_{seed}", variant, seed, series, len(hashes), config,
+                      {"initial_weights_fingerprint": [list(f) for f in fingerprint]})
+
+
+def _config(loss_mode, use_kl, seed, replay="disabled"):
+    return {"algo": loss_mode, "trainer": {"seed": seed, "default_local_dir": f"/runs/{loss_mode}/{seed}"},
+            "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": loss_mode}, "use_kl_loss": use_kl,
+                                            "megatron": {"router_replay": {"mode": replay}}}}}
+
+
+def test_differences_beyond_the_variant_names_are_named_as_confounds():
+    aligned = {"grpo": [_run("grpo", s, _config("vanilla", False, s)) for s in (1, 2)],
+               "grpo_r2": [_run("grpo_r2", s, _config("vanilla", False, s, "R2")) for s in (1, 2)],
+               "gspo": [_run("gspo", s, _config("gspo", False, s)) for s in (1, 2)]}
+    assert report.confounds(aligned) == [
+        "The variants differ only in what their names say (the algorithm and its loss, replay, rollout correction)."]
+    # grpo with a KL loss that gspo lacks: named, with each variant's value
+    kl = {"grpo": [_run("grpo", 1, _config("vanilla", True, 1))], "gspo": [_run("gspo", 1, _config("gspo", False, 1))]}
+    text = "\n".join(report.confounds(kl))
+    assert "also differ in these settings" in text and "| `actor_rollout_ref.actor.use_kl_loss` | true | false |" in text
+    assert "loss_mode" not in text and "seed" not in text  # named by the variant / the run's own
+
+
+def test_same_start_says_whether_weights_and_prompts_matched():
+    same = {"grpo": [_run("grpo", 1, {})], "gspo": [_run("gspo", 1, {})]}
+    assert report.same_start(same) == ["Initial weights: the same fingerprint in all 2 runs.", "",
+                                       "Prompts, seed 1: the same at all 3 common steps across grpo, gspo."]
+    other = {"grpo": [_run("grpo", 1, {}, fingerprint=((1.0, 2.5),), hashes=(11.0, 99.0, 13.0))],
+             "gspo": [_run("gspo", 1, {})]}
+    assert report.same_start(other) == ["Initial weights: **2 different fingerprints** among the 2 runs.", "",
+                                        "Prompts, seed 1: **differ from step 2** (1 of 3 steps)."]

@@ -2,6 +2,7 @@
 each) side by side, with an automatic flag for the reward collapse reported for GRPO on MoE.
 
     python -m recipe.compare RUN_DIR [RUN_DIR ...] --out REPORT_DIR [--window 5] [--drop 0.5] [--spike-factor 3.0]
+        [--learn 0.2]
 
 ``recipe.compare`` calls ``write_report(run_dirs, out_dir, Rule(...))`` after its runs, or on
 finished run directories as above.
@@ -23,23 +24,32 @@ What it writes into ``out_dir`` (built in a temporary directory beside it and re
 so a failure leaves no partial report; an existing report there is replaced, any other non-empty
 directory is refused):
 
-- ``report.md``: the runs compared (variant, seed, directory, steps); a table, one row per variant,
+- ``report.md``: the settings in which variants differ beyond their names (``confounds``); whether
+  the runs started from the same weights and saw the same prompts (``same_start``: the
+  fingerprints of ``provenance.json``, ``data/prompt_hash`` per step and seed); the runs compared
+  (variant, seed, directory, steps); a table, one row per variant,
   of the first and last ``window``-step mean of ``critic/score/mean`` (over the first/last
   min(window, n) logged values), the first and last logged ``val/score/mean``, the peak
   ``actor/grad_norm``, the mean ``actor/pg_clipfrac``, ``moe/routing_drift/slot_frac`` and
   ``training/rollout_probs_diff_mean``, the wall time (sum of ``timing_s/step``, s) and where the
-  instability rule fired, per seed. Every number of a variant is the mean over its seeds of each
-  seed's own value (seeds lacking the metric left out); steps are listed per seed. Then the rule
-  with its parameters, the config differences and the plots.
+  instability rule fired and which kind of flag it gave, per seed. Every number of a variant is the
+  mean over its seeds of each seed's own value (seeds lacking the metric left out); steps are listed
+  per seed. Then the table in the R3 paper's shape (``r3_table``), the rule with its parameters,
+  the config differences and the plots.
 - one PNG a metric (``PLOTS``): every variant's mean over its seeds at each step, with the min–max
-  over seeds as a light band when it has several; ``score.png`` marks (x) where the rule fired.
+  over seeds as a light band when it has several, each variant its own dash pattern; ``score.png``
+  marks (x) where the rule fired on the flagged seed's own curve, drawn thin beside the mean.
   ``routing_drift_layers_<variant>.png``: a heat map (layers x steps) of the per-layer
-  ``moe/routing_drift/slot_frac/layer_{l}`` (mean over seeds), for each variant that logs them.
+  ``moe/routing_drift/slot_frac/layer_{l}`` (mean over seeds), for each variant that logs them, all
+  on one colour scale (0 to the largest value of any variant's map).
 - ``summary.json``: ``Summary`` as JSON: the rule, per variant the table's numbers (``stats``) and
-  its runs (directory, seed, steps, ``unstable_step``, ``rule_checked``, their own ``stats``), and
+  its runs (directory, seed, steps, ``unstable_step``, ``unstable_kind``, ``rule_checked``, their own
+  ``stats``), and
   per plot file the labels of the lines drawn (the heat map's: its variant).
 
-The instability rule (``instability_step``), per run, with w = ``window``: s(t) is the mean of
+The instability rule (``instability``: a collapse, ``instability_step``, or a decline,
+``decline_step``, whichever comes first, else no learning, ``never_learned_step``; ``Rule.describe``
+says it in the report), per run, with w = ``window``. The collapse: s(t) is the mean of
 ``critic/score/mean`` over the last w logged values up to step t (defined once w values are
 logged; non-finite scores are left out). A *spike* is a step whose ``actor/grad_norm`` or
 ``actor/ppo_kl`` (the KL to the old policy over the update) exceeds ``spike_factor`` times the
@@ -53,7 +63,9 @@ collapse: RSPO, arXiv 2510.23027); the tiny stability preset's GRPO collapses sh
 with a vanishing gradient (docs/stability.md). As s averages w steps, the rule fires a step or
 more after the score falls: a fall from 0.8 to -1 crosses a 0.5 drop on its second step with
 w = 5. A run lacking the score, or both spike metrics, is not checked ("–" in the table). The
-defaults (w 5, drop 0.5 = a quarter of DAPO's [-1, 1] score range, factor 3) are ``Rule()``'s.
+defaults (w 5, drop 0.5 = a quarter of DAPO's [-1, 1] score range, factor 3, learn 0.2) are
+``Rule()``'s. The decline needs no burst: s stays more than ``drop`` below its best for w steps in
+a row. No learning: over at least 2w logged scores, s never rises ``learn`` above s(w).
 """
 
 from __future__ import annotations
@@ -80,9 +92,15 @@ GRAD_NORM = "actor/grad_norm"
 PPO_KL = "actor/ppo_kl"
 SPIKE_METRICS = (GRAD_NORM, PPO_KL)  # a burst of either, with the score falling, marks instability
 DRIFT = "moe/routing_drift/slot_frac"
+K3_KL = "rollout_corr/k3_kl"
 STEP_TIME = "timing_s/step"
 VARIANT_FILE = "variant.json"
 CONFIG_FILE = "config.json"
+PROVENANCE_FILE = "provenance.json"  # the trainer's record of the run's start (recipe.driver.checkpoint)
+PROMPT_HASH = "data/prompt_hash"
+# Keys that differ between runs by construction: each run's own seed, directory and name.
+RUN_IDENTITY = ("trainer.seed", "data.seed", "trainer.default_local_dir", "trainer.experiment_name",
+                "trainer.resume_mode")
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
 MISSING = "–"
@@ -100,6 +118,7 @@ class Rule:
     window: int = 5
     drop: float = 0.5
     spike_factor: float = 3.0
+    learn: float = 0.2
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
@@ -108,17 +127,23 @@ class Rule:
             raise ReportError(f"--drop must be a positive score difference, got {self.drop!r}")
         if not self.spike_factor > 0 or not math.isfinite(self.spike_factor):
             raise ReportError(f"--spike-factor must be a positive factor, got {self.spike_factor!r}")
+        if not self.learn > 0 or not math.isfinite(self.learn):
+            raise ReportError(f"--learn must be a positive score difference, got {self.learn!r}")
 
     def describe(self) -> str:
         w = self.window
         return (
             f"With s(t) = mean of `{SCORE}` over the last {w} logged values up to step t (defined once "
-            f"{w} values are logged), the rule fires at the first step t where (a) the best s so far minus "
-            f"s(t) exceeds {self.drop:g} and (b) one of the last {w} steps up to t is a spike: "
-            f"`{GRAD_NORM}` or `{PPO_KL}` above {self.spike_factor:g} x the median of that metric's earlier "
-            f"finite values (at least {w} needed), or non-finite. Non-finite scores are left out of s. Reward "
-            "collapse together with a burst of the gradient or of the step away from the old policy is the "
-            "signature reported for GRPO collapse on MoE. \"–\": the run lacks the score or both spike metrics."
+            f"{w} values are logged; non-finite scores left out), a run is flagged at the first step t of "
+            f"one of: **collapse**: the best s so far minus s(t) exceeds {self.drop:g} and one of the last "
+            f"{w} steps up to t is a spike: `{GRAD_NORM}` or `{PPO_KL}` above {self.spike_factor:g} x the "
+            f"median of that metric's earlier finite values (at least {w} needed), or non-finite (reward "
+            "collapse with a burst of the gradient or of the step away from the old policy: the signature "
+            f"reported for GRPO collapse on MoE); **decline**: s has stayed more than {self.drop:g} below "
+            f"its best for {w} steps in a row, with or without a burst (the slow decline); if neither, **no "
+            f"learning**: with at least {2 * w} scores logged, s never rose {self.learn:g} above its first "
+            f"value s({w}) (flagged at the last step). A collapse and a decline at the same step count as a "
+            "collapse. \"–\": the run lacks the score or both spike metrics."
         )
 
 
@@ -142,7 +167,7 @@ PLOTS: tuple[Plot, ...] = (
     Plot("replay_override.png", "moe/replay_override/slot_frac", "router choice overridden by replay"),
     Plot("rollout_routing_mismatch.png", "moe/rollout_routing_mismatch/slot_frac", "rollout vs training routing"),
     Plot("rollout_probs_diff.png", "training/rollout_probs_diff_mean", "mean |p_train - p_rollout|"),
-    Plot("k3_kl.png", "rollout_corr/k3_kl", "k3 KL rollout -> training"),
+    Plot("k3_kl.png", K3_KL, "k3 KL rollout -> training"),
     Plot("step_time.png", STEP_TIME, "step time (s)"),
 )
 LAYER_KEY = re.compile(re.escape(DRIFT) + r"/layer_(\d+)$")
@@ -156,6 +181,7 @@ class Run:
     series: dict[str, list[tuple[int, float]]]  # metric -> (step, value) in step order
     steps: int
     config: dict | None
+    provenance: dict | None = None
 
     def label(self, among_seeds: bool) -> str:
         """How the report names this run among its variant's seeds (or across variants)."""
@@ -178,6 +204,7 @@ class Stats:
     clipfrac_mean: float | None
     routing_drift_mean: float | None
     probs_diff_mean: float | None
+    k3_kl_mean: float | None  # the train-rollout KL (rollout_corr/k3_kl)
     wall_time_s: float | None
 
 
@@ -187,6 +214,7 @@ class RunSummary:
     seed: int | None
     steps: int
     unstable_step: int | None
+    unstable_kind: str | None  # collapse | decline | no learning (Rule.describe)
     rule_checked: bool  # False: the run lacks the score or both spike metrics
     stats: Stats
 
@@ -265,7 +293,10 @@ def load_run(run_dir: str) -> Run:
     config_path = os.path.join(run_dir, CONFIG_FILE)
     config = _read_json(config_path) if os.path.isfile(config_path) else None
     variant, seed = _variant_and_seed(run_dir)
-    return Run(run_dir, variant, seed, series, steps, config if isinstance(config, dict) else None)
+    provenance_path = os.path.join(run_dir, PROVENANCE_FILE)
+    provenance = _read_json(provenance_path) if os.path.isfile(provenance_path) else None
+    return Run(run_dir, variant, seed, series, steps, config if isinstance(config, dict) else None,
+               provenance if isinstance(provenance, dict) else None)
 
 
 def group_runs(runs: Sequence[Run]) -> dict[str, list[Run]]:
@@ -295,21 +326,59 @@ def _spike_steps(series: Sequence[tuple[int, float]], rule: Rule) -> list[int]:
     return spikes
 
 
+def _smoothed(score: Sequence[tuple[int, float]], window: int) -> list[tuple[int, float]]:
+    """(t, s(t)) for every step once ``window`` finite scores are logged (module docstring)."""
+    score = [(step, value) for step, value in score if math.isfinite(value)]
+    return [(score[end - 1][0], statistics.fmean(value for _, value in score[end - window:end]))
+            for end in range(window, len(score) + 1)]
+
+
 def instability_step(score: Sequence[tuple[int, float]], signals: Sequence[Sequence[tuple[int, float]]],
                      rule: Rule) -> int | None:
-    """The first step where the instability rule (module docstring) fires, None where it does not.
-    ``score`` and each of ``signals`` (the spike metrics) are (step, value) in step order;
-    non-finite scores are left out."""
+    """The first step of a collapse (the score falls with a spike, module docstring), None where
+    there is none. ``score`` and each of ``signals`` (the spike metrics) are (step, value) in step
+    order; non-finite scores are left out."""
     spikes = [step for series in signals for step in _spike_steps(series, rule)]
-    score = [(step, value) for step, value in score if math.isfinite(value)]
     best = -math.inf
-    for end in range(rule.window, len(score) + 1):
-        step = score[end - 1][0]
-        smoothed = statistics.fmean(value for _, value in score[end - rule.window:end])
+    for step, smoothed in _smoothed(score, rule.window):
         best = max(best, smoothed)
         if best - smoothed > rule.drop and any(step - rule.window < spike <= step for spike in spikes):
             return step
     return None
+
+
+def decline_step(score: Sequence[tuple[int, float]], rule: Rule) -> int | None:
+    """The step at which the smoothed score has stayed more than ``rule.drop`` below its best for
+    ``rule.window`` steps in a row; None where it never has."""
+    best, below = -math.inf, 0
+    for step, smoothed in _smoothed(score, rule.window):
+        best = max(best, smoothed)
+        below = below + 1 if best - smoothed > rule.drop else 0
+        if below >= rule.window:
+            return step
+    return None
+
+
+def never_learned_step(score: Sequence[tuple[int, float]], rule: Rule) -> int | None:
+    """The last step of a run whose smoothed score never rose ``rule.learn`` above its first value
+    (judged with at least 2 x window finite scores); None otherwise."""
+    smoothed = _smoothed(score, rule.window)
+    if len(smoothed) < rule.window + 1:  # fewer than 2 x window scores
+        return None
+    first = smoothed[0][1]
+    return smoothed[-1][0] if max(value for _, value in smoothed) - first < rule.learn else None
+
+
+def instability(score: Sequence[tuple[int, float]], signals: Sequence[Sequence[tuple[int, float]]],
+                rule: Rule) -> tuple[str, int] | None:
+    """(kind, step) of the flag the rule gives a run (``Rule.describe``), None where it gives none."""
+    found = [(step, kind) for kind, step in (("collapse", instability_step(score, signals, rule)),
+                                             ("decline", decline_step(score, rule))) if step is not None]
+    if found:
+        step, kind = min(found)  # the earlier; at the same step "collapse" sorts first
+        return kind, step
+    step = never_learned_step(score, rule)
+    return None if step is None else ("no learning", step)
 
 
 def run_stats(run: Run, window: int) -> Stats:
@@ -323,6 +392,7 @@ def run_stats(run: Run, window: int) -> Stats:
         clipfrac_mean=_mean(run.finite("actor/pg_clipfrac")),
         routing_drift_mean=_mean(run.finite(DRIFT)),
         probs_diff_mean=_mean(run.finite("training/rollout_probs_diff_mean")),
+        k3_kl_mean=_mean(run.finite(K3_KL)),
         wall_time_s=math.fsum(run.finite(STEP_TIME)) if STEP_TIME in run.series else None,
     )
 
@@ -331,12 +401,13 @@ def summarize(groups: dict[str, list[Run]], rule: Rule) -> Summary:
     """Per run and per variant (means over seeds) the table's numbers and where the rule fired."""
     variants = []
     for name, runs in groups.items():
-        summaries = [
-            RunSummary(run.path, run.seed, run.steps,
-                       instability_step(run.series.get(SCORE, []), [run.series.get(m, []) for m in SPIKE_METRICS], rule),
-                       SCORE in run.series and any(m in run.series for m in SPIKE_METRICS), run_stats(run, rule.window))
-            for run in runs
-        ]
+        summaries = []
+        for run in runs:
+            kind, step = instability(run.series.get(SCORE, []), [run.series.get(m, []) for m in SPIKE_METRICS],
+                                     rule) or (None, None)
+            checked = SCORE in run.series and any(m in run.series for m in SPIKE_METRICS)
+            stats = run_stats(run, rule.window)
+            summaries.append(RunSummary(run.path, run.seed, run.steps, step, kind, checked, stats))
         means = {
             stat.name: _mean([value for s in summaries if (value := getattr(s.stats, stat.name)) is not None])
             for stat in fields(Stats)
@@ -360,23 +431,32 @@ def _across_seeds(runs: Sequence[Run], key: str) -> tuple[list[int], list[float]
             [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps])
 
 
+# Lines that coincide (variants that behave alike) stay visible: each variant its own dash pattern,
+# the later ones thinner, so one drawn over another leaves the other showing at its sides.
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def metric_figure(plot: Plot, groups: dict[str, list[Run]],
-                  marks: dict[str, list[int]] | None = None) -> tuple[Figure, list[str]] | None:
-    """The figure of one metric, one line a variant that logs it (``marks``: steps to flag with an x
-    on a variant's line), and its line labels; None when no variant logs it."""
+                  marks: dict[str, list[tuple[Run, int]]] | None = None) -> tuple[Figure, list[str]] | None:
+    """The figure of one metric, one line a variant that logs it, and its line labels; None when no
+    variant logs it. ``marks``: per variant, (run, step) to flag with an x on that run's own curve,
+    drawn thin beside the variant's mean."""
     figure = Figure(figsize=(7, 4), layout="constrained")
     axes = figure.add_subplot()
     labels, lowest, marks = [], math.inf, marks or {}
-    for variant, runs in groups.items():
+    for index, (variant, runs) in enumerate(groups.items()):
         steps, mean, low, high = _across_seeds(runs, plot.key)
         if not steps:
             continue
-        (line,) = axes.plot(steps, mean, label=variant, marker="o" if len(steps) <= 12 else None, markersize=3)
+        (line,) = axes.plot(steps, mean, label=variant, marker="o" if len(steps) <= 12 else None, markersize=3,
+                            linestyle=LINE_STYLES[index % len(LINE_STYLES)], linewidth=max(2.6 - 0.4 * index, 1.0))
         if sum(plot.key in run.series for run in runs) > 1:
             axes.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-        flagged = [(s, m) for s, m in zip(steps, mean) if s in marks.get(variant, [])]
-        if flagged:
-            axes.scatter(*zip(*flagged), marker="x", s=80, color=line.get_color(), zorder=3)
+        for run, step in marks.get(variant, []):
+            own = dict(run.series.get(plot.key, []))
+            if step in own:
+                axes.plot(*zip(*run.series[plot.key]), color=line.get_color(), linewidth=0.8, alpha=0.6)
+                axes.scatter([step], [own[step]], marker="x", s=80, color=line.get_color(), zorder=3)
         labels.append(variant)
         lowest = min(lowest, *low)
     if not labels:
@@ -397,8 +477,9 @@ def _edges(centres: Sequence[float]) -> list[float]:
     return [2 * centres[0] - middles[0], *middles, 2 * centres[-1] - middles[-1]]
 
 
-def drift_heatmap(variant: str, runs: Sequence[Run]) -> Figure | None:
-    """Layers x steps of the per-layer routing drift (mean over seeds); None without those metrics."""
+def drift_heatmap(variant: str, runs: Sequence[Run], top: float | None = None) -> Figure | None:
+    """Layers x steps of the per-layer routing drift (mean over seeds), coloured from 0 to ``top``
+    (one scale for every variant's map; None: this map's own maximum); None without those metrics."""
     layers = sorted({int(m.group(1)) for run in runs for key in run.series if (m := LAYER_KEY.match(key))})
     rows = [_across_seeds(runs, f"{DRIFT}/layer_{layer}") for layer in layers]
     steps = sorted({step for row in rows for step in row[0]})
@@ -411,7 +492,7 @@ def drift_heatmap(variant: str, runs: Sequence[Run]) -> Figure | None:
             cells[column[step]] = value
     figure = Figure(figsize=(8, max(3.0, 0.25 * len(layers) + 1.5)), layout="constrained")
     axes = figure.add_subplot()
-    mesh = axes.pcolormesh(_edges(steps), _edges(layers), grid, cmap="viridis")
+    mesh = axes.pcolormesh(_edges(steps), _edges(layers), grid, cmap="viridis", vmin=0.0, vmax=top)
     figure.colorbar(mesh, ax=axes, label="changed expert slots (fraction)")
     axes.set(title=f"{DRIFT} per layer: {variant}", xlabel="step", ylabel="layer")
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -423,15 +504,18 @@ def _file_stem(variant: str) -> str:
 
 
 def _write_plots(directory: str, groups: dict[str, list[Run]], summary: Summary) -> dict[str, list[str]]:
-    marks = {v.variant: [r.unstable_step for r in v.runs if r.unstable_step is not None] for v in summary.variants}
+    marks = {v.variant: [(run, s.unstable_step) for run, s in zip(groups[v.variant], v.runs) if s.unstable_step is not None]
+             for v in summary.variants}
     figures: dict[str, tuple[Figure, list[str]]] = {}
     for plot in PLOTS:
         drawn = metric_figure(plot, groups, marks if plot.key == SCORE else None)
         if drawn is not None:
             figures[plot.file] = drawn
+    top = max((value for runs in groups.values() for run in runs for key in run.series if LAYER_KEY.match(key)
+               for value in run.finite(key)), default=None)
     for variant, runs in groups.items():
         file = f"routing_drift_layers_{_file_stem(variant)}.png"
-        heatmap = drift_heatmap(variant, runs)
+        heatmap = drift_heatmap(variant, runs, top)
         if heatmap is None:
             continue
         if file in figures:
@@ -473,6 +557,66 @@ def _shorten(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _named_by_variant() -> set[str]:
+    """The config keys a variant's name sets (``recipe.compare.runs``): the algorithm and its loss
+    mode, and each part's overrides."""
+    from recipe.compare.runs import VARIANT_PARTS
+
+    return {"algo", "actor_rollout_ref.actor.policy_loss.loss_mode",
+            *(override.split("=")[0] for overrides in VARIANT_PARTS.values() for override in overrides)}
+
+
+def confounds(groups: dict[str, list[Run]]) -> list[str]:
+    """The config keys on which variants differ beyond what their names say (and beyond each run's
+    own seed, directory and name): differences a reader must weigh besides the variants' own."""
+    runs = [run for group in groups.values() for run in group]
+    if any(run.config is None for run in runs) or len(groups) < 2:
+        return [f"Not checked: {'a run has no ' + CONFIG_FILE if len(groups) > 1 else 'one variant only'}."]
+    flat = {variant: [_flatten(run.config) for run in group] for variant, group in groups.items()}
+    ignored = _named_by_variant() | set(RUN_IDENTITY)
+    keys = sorted({key for configs in flat.values() for values in configs for key in values} - ignored)
+    differing = [key for key in keys if len({values.get(key) for configs in flat.values() for values in configs}) > 1]
+    if not differing:
+        return ["The variants differ only in what their names say (the algorithm and its loss, replay, "
+                "rollout correction)."]
+    rows = [[f"`{key}`", *(_cell(_shorten(" / ".join(sorted({str(v.get(key, MISSING)) for v in flat[variant]}))))
+                           for variant in groups)] for key in differing]
+    return ["**The variants also differ in these settings**: part of any difference between them may come "
+            "from these, not from what their names say.", "", *_table(["key", *groups], rows)]
+
+
+def same_start(groups: dict[str, list[Run]]) -> list[str]:
+    """Whether the runs started from the same weights (``provenance.json``'s fingerprint) and, seed
+    by seed, saw the same prompts at every step (``data/prompt_hash``)."""
+    runs = [run for group in groups.values() for run in group]
+    prints = {json.dumps(run.provenance.get("initial_weights_fingerprint")) for run in runs if run.provenance}
+    with_print = sum(1 for run in runs if run.provenance and "initial_weights_fingerprint" in run.provenance)
+    if with_print < len(runs):
+        missing = len(runs) - with_print
+        weights = f"Initial weights: {missing} of {len(runs)} runs have no fingerprint ({PROVENANCE_FILE})."
+    elif len(prints) == 1:
+        weights = f"Initial weights: the same fingerprint in all {len(runs)} runs."
+    else:
+        weights = f"Initial weights: **{len(prints)} different fingerprints** among the {len(runs)} runs."
+    lines = [weights]
+    by_seed: dict[int | None, list[Run]] = {}
+    for run in runs:
+        by_seed.setdefault(run.seed, []).append(run)
+    for seed, seeds_runs in by_seed.items():
+        hashes = [dict(run.series.get(PROMPT_HASH, [])) for run in seeds_runs]
+        if len(seeds_runs) < 2:
+            continue
+        if not all(hashes):
+            lines.append(f"Prompts, seed {seed}: not checked (a run does not log `{PROMPT_HASH}`).")
+            continue
+        shared = sorted(set.intersection(*(set(h) for h in hashes)))
+        differ = [step for step in shared if len({h[step] for h in hashes}) > 1]
+        lines.append(f"Prompts, seed {seed}: " + (f"the same at all {len(shared)} common steps across "
+                     f"{', '.join(run.variant for run in seeds_runs)}." if not differ else
+                     f"**differ from step {differ[0]}** ({len(differ)} of {len(shared)} steps)."))
+    return [line for text in lines for line in (text, "")][:-1]
+
+
 def _config_differences(runs: Sequence[Run]) -> list[str]:
     if all(run.config is None for run in runs):
         return [f"No run directory has a {CONFIG_FILE}."]
@@ -499,11 +643,44 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (  # header ({w}: the window), Stats
 
 def _unstable_cell(variant: VariantSummary, runs: Sequence[Run]) -> str:
     def verdict(run: RunSummary) -> str:
-        return f"step {run.unstable_step}" if run.unstable_step is not None else "no" if run.rule_checked else MISSING
+        if run.unstable_step is not None:
+            return f"{run.unstable_kind} at step {run.unstable_step}"
+        return "no" if run.rule_checked else MISSING
 
     if len(runs) == 1:
         return verdict(variant.runs[0])
     return ", ".join(f"{run.label(among_seeds=True)}: {verdict(s)}" for run, s in zip(runs, variant.runs))
+
+
+def _spread(values: Sequence[float]) -> str:
+    """mean (min – max) of the seeds' values; the one value for one seed."""
+    if not values:
+        return MISSING
+    if len(values) == 1:
+        return _cell(values[0])
+    return f"{_cell(statistics.fmean(values))} ({_cell(min(values))} – {_cell(max(values))})"
+
+
+def r3_table(summary: Summary, groups: dict[str, list[Run]]) -> list[str]:
+    """Per variant, in the shape of the R3 paper's results table (arXiv 2510.11370): the final score
+    over seeds and per seed, flagged runs of each kind over seeds, the median step they were flagged
+    at, the mean routing drift and train-rollout KL."""
+    rows = []
+    for variant in summary.variants:
+        finals = [r.stats.score_last_window for r in variant.runs if r.stats.score_last_window is not None]
+        per_seed = ", ".join(f"{run.label(among_seeds=True)}: {_cell(s.stats.score_last_window, '.3g')}"
+                             for run, s in zip(groups[variant.variant], variant.runs))
+        flagged = [r for r in variant.runs if r.unstable_step is not None]
+        counts = {kind: sum(r.unstable_kind == kind for r in flagged) for kind in ("collapse", "decline", "no learning")}
+        kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+        checked = sum(r.rule_checked for r in variant.runs)
+        rows.append([_cell(variant.variant), _spread(finals), per_seed,
+                     f"{len(flagged)} / {checked}" + (f" ({kinds})" if kinds else ""),
+                     _cell(statistics.median(r.unstable_step for r in flagged) if flagged else None, "g"),
+                     _cell(variant.stats.routing_drift_mean), _cell(variant.stats.k3_kl_mean)])
+    w = summary.rule.window
+    return _table(["variant", f"final score (last {w}): mean (min – max)", "per seed", "flagged / seeds",
+                   "median flagged step", f"mean {DRIFT}", f"mean {K3_KL}"], rows)
 
 
 def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
@@ -523,6 +700,8 @@ def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
              for line in (f"### {titles.get(file, f'{DRIFT} per layer: {labels[0]}')}", "", f"![{file}]({file})", "")]
     lines = [
         f"# Run comparison: {', '.join(groups)}", "",
+        "## Differences beyond the variant names", "", *confounds(groups), "",
+        "## Same start, same prompts", "", *same_start(groups), "",
         "## Runs compared", "", *compared, "",
         "## Summary", "",
         f"Per variant, the mean over its seeds of each seed's own value (\"{MISSING}\": not logged). "
@@ -530,13 +709,21 @@ def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
         f"`{VAL_SCORE}` first/last: the first/last logged value; wall time: the sum of `{STEP_TIME}`. "
         "\"unstable\": the step where the instability rule fired, per seed.", "",
         *table, "",
+        "## In the R3 paper's shape", "",
+        "Per variant over its seeds (the R3 paper, arXiv 2510.11370, reports its runs this way): the final "
+        f"score as the mean of the last {window} logged values, every seed's beside it; runs the instability "
+        "rule flagged, by kind, over the seeds it could check; the median step of those flags; the mean routing "
+        "drift and train-rollout KL over the steps.", "",
+        *r3_table(summary, groups), "",
         "## Instability rule", "",
         summary.rule.describe(), "",
-        f"Parameters: window {window} steps, drop {summary.rule.drop:g}, spike factor {summary.rule.spike_factor:g}.", "",
+        f"Parameters: window {window} steps, drop {summary.rule.drop:g}, spike factor {summary.rule.spike_factor:g}, "
+        f"learn {summary.rule.learn:g}.", "",
         "## Config differences", "", *_config_differences(runs), "",
         "## Plots", "",
         "One line per variant: the mean over its seeds at each step, the min–max over seeds as a band; "
-        "x on score.png: where the rule fired.", "",
+        "x on score.png: where the rule fired, on the flagged seed's own (thin) curve; the per-layer heat maps "
+        "share one colour scale.", "",
         *plots,
     ]
     return "\n".join(lines).rstrip() + "\n"

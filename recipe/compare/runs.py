@@ -138,6 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drop", type=float, default=0.5, help="report: score drop from its best that the instability rule needs")
     p.add_argument("--spike-factor", type=float, default=3.0,
                    help="report: grad norm or ppo_kl above this x its earlier median is a spike (instability rule)")
+    p.add_argument("--learn", type=float, default=0.2,
+                   help="report: a run whose smoothed score never rises this much above its start is flagged as not learning")
     p.add_argument("args", nargs="*", metavar="key.sub=value | RUN_DIR",
                    help="with --config: recipe overrides for every variant; without: finished run directories")
     return p.parse_args(argv)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, FileNotFoundError,
                    ReportError)
     try:
-        rule = Rule(window=args.window, drop=args.drop, spike_factor=args.spike_factor)
+        rule = Rule(window=args.window, drop=args.drop, spike_factor=args.spike_factor, learn=args.learn)
         if args.config is None:
             if not args.args or args.out is None:
                 raise ConfigError("give --config to run variants, or finished RUN_DIRs and --out REPORT_DIR for a report")
@@ -190,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
         print(f"error: {e}{notes}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, ReportError)) else 1
-    unstable = [f"{v.variant} seed {r.seed}: step {r.unstable_step}" for v in summary.variants for r in v.runs
-                if r.unstable_step is not None]
+    unstable = [f"{v.variant} seed {r.seed}: {r.unstable_kind} at step {r.unstable_step}" for v in summary.variants
+                for r in v.runs if r.unstable_step is not None]
     print(f"report: {os.path.join(args.out, 'report.md')}" + (f"; unstable: {', '.join(unstable)}" if unstable else ""))
     return 0
 
