@@ -18,6 +18,9 @@ from recipe.workers.colocated import RankInfo, Worker
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
 DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}
 PLACEMENT_TIMEOUT_S = 120
+# When one worker's call fails, how long the others get to end theirs before the error names the
+# failed ones (the others may be blocked in a collective with the failed one, and never end).
+PEERS_TIMEOUT_S = 30
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 # What a worker raises about its input (a file, a key): the driver re-raises it as it is, naming the
 # worker; anything else keeps Ray's report with the worker's traceback.
@@ -125,7 +128,9 @@ class WorkerGroup:
             raise e.cause from None
 
     def _who(self, refs: list, error: type) -> str:
-        """The workers whose call ended in ``error``."""
+        """The workers whose call ended in ``error``. Every finished call's result is read, so Ray
+        does not report the other workers' errors again as unhandled when the run ends."""
+        ray.wait(refs, num_returns=len(refs), timeout=PEERS_TIMEOUT_S)
         return ", ".join(self._describe(r) for r, ref in enumerate(refs) if _failed(ref, error)) or "a worker"
 
     def _describe(self, rank: int) -> str:
