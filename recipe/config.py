@@ -244,7 +244,7 @@ class TrainerConfig:
     test_freq: int = -1
     val_before_train: bool = True
     resume_mode: str = "auto"  # auto | disable | resume_path
-    resume_from_path: str | None = None
+    resume_from_path: str | None = None  # read with resume_mode=resume_path only, as in verl
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"  # checkpoints, metrics.jsonl
     max_actor_ckpt_to_keep: int = 2
     logger: list[str] = field(default_factory=lambda: ["console"])  # jsonl is always written
@@ -252,6 +252,9 @@ class TrainerConfig:
     routing_drift_freq: int = 1  # every this many steps, measure routing drift old -> updated policy; -1: never
     routing_drift_rows: int = 64  # rows of the step's batch that measurement re-routes (rounded to the DP size)
     log_val_generations: int = 0  # validation samples (prompt, response, score) written per validation
+    # > 0: a SIGTERM during a step lets it finish and saves a checkpoint if both are done within this
+    # many seconds, else the run stops without one; 0: a SIGTERM stops at once (recipe.driver.signals)
+    save_on_sigterm_grace_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -385,6 +388,7 @@ RULES: dict[str, Rule] = {
     "algorithm.filter_groups.metric": one_of(FILTER_METRICS),
     "trainer.total_epochs": POSITIVE,
     "trainer.log_val_generations": at_least(0),
+    "trainer.save_on_sigterm_grace_s": at_least(0),
     f"{_ROLLOUT}.name": one_of(ROLLOUT_NAMES),
     f"{_ROLLOUT}.n": POSITIVE,
     f"{_ROLLOUT}.temperature": greater_than(0),  # the actor divides logits by it
@@ -802,6 +806,9 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
                    f"({data.train_batch_size}): it only applies with algorithm.filter_groups.enable=true")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         out.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint directory)")
+    if trainer.resume_mode != "resume_path" and trainer.resume_from_path:
+        out.append(f"trainer.resume_from_path is read only with trainer.resume_mode=resume_path (as in verl), not "
+                   f"{trainer.resume_mode}: add trainer.resume_mode=resume_path, or drop resume_from_path")
     model = cfg.actor_rollout_ref.model
     if model.path == BUILTIN_TINY and model.config and not os.path.basename(model.config).startswith(TINY):
         out.append(f"actor_rollout_ref.model.path={BUILTIN_TINY} builds a tiny model: "

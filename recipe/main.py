@@ -2,7 +2,9 @@
 
 Local mode starts Ray on this machine; under ``ray job submit`` (RAY_ADDRESS set) it joins the
 cluster. ``recipe.main_gspo`` / ``recipe.main_grpo`` are this entry with the algorithm fixed.
-Errors in the inputs (config, data, rewards, loggers, checkpoints) print one message, no traceback.
+Errors in the inputs (config, data, rewards, loggers, checkpoints, files) print one message, no
+traceback. SIGTERM and SIGINT stop the run with exit status 143 / 130 and one line saying where a
+re-run resumes (``recipe.driver.signals``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def main(argv: list[str] | None = None, algo: str | None = None) -> int:
     from megatron_bridge.errors import ConfigError
     from recipe.config import load_config
     from recipe.data.dataset import DataError
+    from recipe.driver.signals import Stopped
     from recipe.tracking.loggers import LoggerError
     from recipe.reward import RewardError
     from recipe.workers.group import ClusterError, WorkerDiedError
 
-    user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, FileNotFoundError)
+    user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, OSError)
     try:
         overrides = list(args.overrides) + ([f"algo={algo}"] if algo else [])
         cfg = load_config(args.config, overrides)
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None, algo: str | None = None) -> int:
         notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
         print(f"error: {e}{notes}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
     return 0
 
 

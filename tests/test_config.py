@@ -255,10 +255,21 @@ def test_rollout_correction_keys_are_verls():
     assert "calculate_log_probs=true" in message
 
 
-def test_resume_path_needs_a_path():
+def test_resume_path_needs_a_path_and_the_path_needs_resume_path():
     assert "trainer.resume_from_path" in error(TINY, ["trainer.resume_mode=resume_path"])
     cfg = load_config(TINY, ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/step_10"])
     assert cfg.trainer.resume_from_path == "/ckpt/step_10"
+    for mode in ("auto", "disable"):  # verl reads the path in resume_path mode only; here that is said, not ignored
+        message = error(TINY, [f"trainer.resume_mode={mode}", "trainer.resume_from_path=/ckpt/step_10"])
+        assert message.splitlines()[-1] == (
+            f"  - trainer.resume_from_path is read only with trainer.resume_mode=resume_path (as in verl), not {mode}: "
+            "add trainer.resume_mode=resume_path, or drop resume_from_path")
+
+
+def test_sigterm_grace_period_is_seconds_from_zero():
+    assert load_config(TINY).trainer.save_on_sigterm_grace_s == 0  # off
+    assert load_config(TINY, ["trainer.save_on_sigterm_grace_s=90"]).trainer.save_on_sigterm_grace_s == 90
+    assert "trainer.save_on_sigterm_grace_s=-1.0: must be >= 0" in error(TINY, ["trainer.save_on_sigterm_grace_s=-1"])
 
 
 def test_rollout_engine_follows_the_device():

@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from megatron_bridge.errors import ConfigError
 from recipe.config import TrainerConfig
 from recipe.workers.group import WorkerGroup
 
@@ -35,10 +36,30 @@ def to_resume(t: TrainerConfig, directory: Path) -> Path | None:
     if t.resume_mode == "resume_path":
         path = Path(t.resume_from_path)
         if not (path / TRAINER_STATE).is_file():
-            raise FileNotFoundError(f"trainer.resume_from_path={path}: not a checkpoint (no {TRAINER_STATE})")
+            what = f"has no {TRAINER_STATE}" if path.is_dir() else "does not exist"
+            raise ConfigError(f"trainer.resume_from_path={path} {what}: give a checkpoint directory "
+                              f"(<run dir>/checkpoints/{CHECKPOINT_PREFIX}K)")
         return path
     done = checkpoints(directory)
     return done[-1] if done else None
+
+
+def rerun_note(t: TrainerConfig, directory: Path) -> str:
+    """Where a re-run of the same command resumes: the checkpoint ``to_resume`` picks now, and its step."""
+    resume = to_resume(t, directory)
+    if resume is None:
+        why = "trainer.resume_mode=disable" if t.resume_mode == "disable" else f"no checkpoint in {directory}"
+        return f"a re-run starts fresh ({why})"
+    step = json.loads((resume / TRAINER_STATE).read_text())["step"]
+    return f"a re-run resumes from {resume} (step {step})"
+
+
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove the temporary checkpoints of saves that never finished (a killed run's); the removed."""
+    stale = sorted(p for p in directory.glob(f".{CHECKPOINT_PREFIX}*.tmp") if p.is_dir())
+    for path in stale:
+        shutil.rmtree(path)
+    return stale
 
 
 def load(workers: WorkerGroup, checkpoint: Path) -> dict:

@@ -9,7 +9,8 @@ One step (``Trainer.train_step``)::
 
 Beside it in ``recipe.driver``: ``dispatch`` (every call to the workers: shares out, results
 back), ``dynamic_sampling`` (the step's samples, with DAPO's group filter), ``checkpoint``
-(checkpoints, resume, provenance), ``advantage`` and ``routing`` (the step's ``moe/`` metrics).
+(checkpoints, resume, provenance), ``advantage`` and ``routing`` (the step's ``moe/`` metrics),
+``signals`` (SIGTERM and SIGINT: a clean stop, optionally after a checkpoint).
 The batch follows ``megatron_bridge.runtime.batch``.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import zlib
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from loss import rollout_correction, rollout_mismatch_metrics
+from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.runtime.batch import (
     ADVANTAGES,
@@ -47,11 +50,12 @@ from recipe.driver import checkpoint, dynamic_sampling
 from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
 from recipe.driver.dispatch import Dispatch, Rollout
 from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
+from recipe.driver.signals import DriverSignals, Stopped
 from recipe.reward import OverlongConfig, RewardInput, RewardOutput, compute_rewards, make_reward_fn
 from recipe.rollout.base import SamplingParams, request_seed
 from recipe.tracking.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
-from recipe.workers.group import WorkerGroup, init_ray
+from recipe.workers.group import WorkerGroup, init_ray, shutdown_ray
 
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
 
@@ -60,6 +64,8 @@ class Trainer:
     def __init__(self, cfg: RecipeConfig):
         from transformers import AutoTokenizer
 
+        self.signals = DriverSignals(cfg.trainer.save_on_sigterm_grace_s)
+        self.signals.install()
         self.cfg = cfg
         self.dir = Path(cfg.trainer.default_local_dir)
         self.ckpt_dir = self.dir / "checkpoints"
@@ -86,16 +92,27 @@ class Trainer:
         ob = cfg.reward_model.overlong_buffer
         self.overlong = OverlongConfig(enable=ob.enable, len=ob.len, penalty_factor=ob.penalty_factor)
         self.step = 0
+        self.started = False  # start() is done: self.step is the resumed step
+        self.started_ray = False  # by start(); train() shuts it down
         self.workers: WorkerGroup | None = None
 
     # --- set-up ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the workers and restore the latest checkpoint if resuming."""
+        """Start the workers and restore the latest checkpoint if resuming. What the run reads and
+        writes is checked first: the checkpoint to resume from, the run directory."""
         cfg, t = self.cfg, self.cfg.trainer
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2, default=str))
-        init_ray(cfg.layout.cluster.device, cfg.layout.cluster.world_size)
+        resume = checkpoint.to_resume(t, self.ckpt_dir)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2, default=str))
+            for stale in checkpoint.remove_stale(self.ckpt_dir):
+                tqdm.write(f"removed {stale}: a checkpoint a stopped run did not finish writing")
+        except OSError as e:
+            raise ConfigError(f"trainer.default_local_dir={self.dir}: cannot write the run directory "
+                              f"({e.strerror}: {e.filename}); give a directory this user can write") from e
+        self.started_ray = init_ray(cfg.layout.cluster.device, cfg.layout.cluster.world_size)
+        self.signals.install()  # ray.init replaced the handlers
         self.workers = WorkerGroup(cfg.layout)
         infos = self.workers.setup(cfg, self.model_dir)
         self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec)
@@ -106,7 +123,6 @@ class Trainer:
         spans = [f"node {ip} rank {r[0]}" if len(r) == 1 else f"node {ip} ranks {r[0]}-{r[-1]}" for ip, r in nodes.items()]
         tqdm.write("workers: " + "; ".join(spans))
         checkpoint.record_provenance(self.dir, self.workers, self.model_dir, t.seed, cfg.data.seed, self.total_steps)
-        resume = checkpoint.to_resume(t, self.ckpt_dir)
         if resume is not None:
             state = checkpoint.load(self.workers, resume)
             self.step = state["step"]
@@ -119,6 +135,7 @@ class Trainer:
                                  resume=self.step > 0)
         if self.step:
             self.tracking.drop_from(self.step + 1)  # what a killed run logged past its checkpoint
+        self.started = True
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -127,22 +144,25 @@ class Trainer:
         if self.step == 0 and t.val_before_train and self.val_data is not None:
             self.tracking.log(self.validate(), step=0)
         bar = progress_bar(total=self.total_steps, initial=self.step, desc="steps", unit="step", dynamic_ncols=True)
-        while self.step < self.total_steps:
-            try:
-                metrics = self.train_step(self.step + 1)
-            except Exception as e:
-                e.add_note(f"in step {self.step + 1}; last completed step: {self.step}; run dir: {self.dir}")
-                raise
-            self.step += 1
-            if t.test_freq > 0 and self.val_data is not None and (
-                self.step % t.test_freq == 0 or self.step == self.total_steps
-            ):
-                metrics.update(self.validate())
-            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
-                self.save_checkpoint()
-            self.tracking.log(metrics, step=self.step)
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
+        with self.signals.steps():
+            while self.step < self.total_steps:
+                try:
+                    metrics = self.train_step(self.step + 1)
+                except Exception as e:
+                    e.add_note(f"in step {self.step + 1}; {self.progress()}")
+                    raise
+                self.step += 1
+                if t.test_freq > 0 and self.val_data is not None and (
+                    self.step % t.test_freq == 0 or self.step == self.total_steps
+                ):
+                    metrics.update(self.validate())
+                saved = t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps)
+                if saved:
+                    self.save_checkpoint()
+                self.tracking.log(metrics, step=self.step)
+                bar.update(1)
+                bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
+                self.signals.step_ended(None if saved else self.save_checkpoint)
         bar.close()
         return self.finish()
 
@@ -313,6 +333,12 @@ class Trainer:
         print(f"metrics: {self.dir / 'metrics.jsonl'}\nreward curve: {self.dir / 'reward_curve.txt'}")
         return self.dir
 
+    def progress(self) -> str:
+        """Where the run is, for a message that ends it: the last step completed and the checkpoint
+        a re-run resumes from (which may be older)."""
+        done = f"last completed step: {self.step}" if self.started else "during start-up"
+        return f"{done}; {checkpoint.rerun_note(self.cfg.trainer, self.ckpt_dir)}"
+
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
@@ -339,9 +365,16 @@ def with_warmup_from_ratio(cfg: RecipeConfig, total_steps: int) -> RecipeConfig:
 
 
 def train(cfg: RecipeConfig) -> Path:
+    """Train; a signal ends it as ``Stopped`` saying where a re-run resumes (``recipe.driver.signals``)."""
     trainer = Trainer(cfg)
     try:
         trainer.start()
         return trainer.fit()
+    except KeyboardInterrupt:  # Ray's waits raise a plain one for the handler's Stopped
+        stopped = trainer.signals.stopped or Stopped(signal.SIGINT)
+        stopped.where = trainer.progress()
+        raise stopped from None
     finally:
         trainer.close()
+        if trainer.started_ray:
+            shutdown_ray()

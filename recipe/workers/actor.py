@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from megatron_bridge.errors import ConfigError
 from megatron_bridge.runtime.batch import INPUT_IDS, ROUTED_EXPERTS
 from megatron_bridge.runtime.offload import KINDS
 from recipe.config import RecipeConfig
@@ -191,7 +192,7 @@ class ActorWorker:
             raise FileNotFoundError(f"checkpoint {directory} has no file for rank {self.rank} ({path})")
         state = torch.load(path, weights_only=False)
         if state["layout"].train != self.cfg.layout.train or state["world_size"] != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {directory} was written with {state['world_size']} ranks and train layout "
                 f"{state['layout'].train}; this run has {self.world_size} ranks and {self.cfg.layout.train}. "
                 "Resume with the same parallel layout (or start fresh: trainer.resume_mode=disable)"

@@ -1,5 +1,6 @@
 """Ray plumbing: one ``recipe.workers.colocated.Worker`` per device, placed node by node with
-placement groups, and calls to all of them that turn a dead worker into a message naming it."""
+placement groups, and calls to all of them that turn a dead worker into a message naming it and a
+worker's refusal of its input (``INPUT_ERRORS``) into that error, without Ray's wrapping."""
 
 from __future__ import annotations
 
@@ -10,13 +11,20 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.layout import Layout
 from recipe.workers.colocated import RankInfo, Worker
 
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
 DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}
 PLACEMENT_TIMEOUT_S = 120
+# When one worker's call fails, how long the others get to end theirs before the error names the
+# failed ones (the others may be blocked in a collective with the failed one, and never end).
+PEERS_TIMEOUT_S = 30
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+# What a worker raises about its input (a file, a key): the driver re-raises it as it is, naming the
+# worker; anything else keeps Ray's report with the worker's traceback.
+INPUT_ERRORS = (ConfigError, OSError)
 
 
 class ClusterError(RuntimeError):
@@ -27,17 +35,24 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended (crash, OOM kill, node loss); the run cannot go on without it."""
 
 
-def init_ray(device: str, world_size: int) -> None:
+def init_ray(device: str, world_size: int) -> bool:
     """Join the cluster when run under ``ray job submit`` (RAY_ADDRESS is set), else start a local
-    Ray with enough CPUs for one worker per simulated device."""
+    Ray with enough CPUs for one worker per simulated device. False: Ray was up already."""
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level="WARNING")
-        return
+        return True
     cpus = max(os.cpu_count() or 1, world_size) if device == "cpu" else None
     # address="local": a new Ray of our own, never a cluster `ray start` once recorded on this machine.
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    return True
+
+
+def shutdown_ray() -> None:
+    """End what ``init_ray`` began: the local Ray's processes; joined to a cluster, only this
+    driver's connection (Ray stops only the processes this process started)."""
+    ray.shutdown()
 
 
 def pick_nodes(nodes: list[dict], nnodes: int, devices_per_node: int, resource: str | None) -> list[dict]:
@@ -104,9 +119,19 @@ class WorkerGroup:
         try:
             return ray.get(refs)
         except ray.exceptions.RayActorError as e:
-            dead = [r for r, ref in enumerate(refs) if _died(ref)]
-            who = ", ".join(self._describe(r) for r in dead) or "a worker"
-            raise WorkerDiedError(f"{who} died during {phase}: {e.__class__.__name__}") from e
+            raise WorkerDiedError(f"{self._who(refs, ray.exceptions.RayActorError)} died during {phase}: "
+                                  f"{e.__class__.__name__}") from e
+        except ray.exceptions.RayTaskError as e:
+            if not isinstance(e.cause, INPUT_ERRORS):
+                raise
+            e.cause.add_note(f"raised by {self._who(refs, ray.exceptions.RayTaskError)} during {phase}")
+            raise e.cause from None
+
+    def _who(self, refs: list, error: type) -> str:
+        """The workers whose call ended in ``error``. Every finished call's result is read, so Ray
+        does not report the other workers' errors again as unhandled when the run ends."""
+        ray.wait(refs, num_returns=len(refs), timeout=PEERS_TIMEOUT_S)
+        return ", ".join(self._describe(r) for r, ref in enumerate(refs) if _failed(ref, error)) or "a worker"
 
     def _describe(self, rank: int) -> str:
         node = f" on node {self.infos[rank].node_ip}" if rank < len(self.infos) else ""
@@ -119,11 +144,11 @@ class WorkerGroup:
             remove_placement_group(group)
 
 
-def _died(ref) -> bool:
+def _failed(ref, error: type) -> bool:
     try:
         ray.get(ref, timeout=0)
-    except ray.exceptions.RayActorError:
+    except error:
         return True
-    except Exception:  # noqa: BLE001  (another error or not finished: not this worker's death)
+    except Exception:  # noqa: BLE001  (another error or not finished: not this worker's)
         return False
     return False
