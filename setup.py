@@ -14,6 +14,7 @@ CORE = [
     "einops",
     "numpy",
     "tqdm",
+    "psutil",  # megatron-core's dist_checkpointing (torch_dist save)
     "pyarrow",  # parquet datasets (verl's format)
     "matplotlib",  # the comparison report's plots (recipe.compare.report)
 ]

@@ -110,6 +110,13 @@ class ActorMegatronConfig:
 
 
 @dataclass(frozen=True)
+class ActorCheckpointConfig:
+    """verl's ``actor.checkpoint``: how the actor's checkpoint is written (recipe.driver.checkpoint)."""
+
+    async_save: bool = False  # the tensor files are written in the background while training goes on
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n rows), verl's meaning
     ppo_micro_batch_size_per_gpu: int = 1  # rows per forward/backward
@@ -128,6 +135,7 @@ class ActorConfig:
     entropy_coeff: float = _LOSS.entropy_coeff
     optim: ActorOptimConfig = field(default_factory=ActorOptimConfig)
     megatron: ActorMegatronConfig = field(default_factory=ActorMegatronConfig)
+    checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)
 
 
 @dataclass(frozen=True)

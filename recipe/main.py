@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 DEFAULT_CONFIG = "configs/recipe/tiny_{algo}.yaml"
 
@@ -27,33 +28,43 @@ def parse_args(argv: list[str] | None, algo: str | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None, algo: str | None = None) -> int:
-    args = parse_args(argv, algo)
+def run_reporting(body: Callable[[], object], usage_errors: tuple[type[Exception], ...] = ()) -> int:
+    """Run a command's ``body`` as the commands of this package end: an error in the inputs is one
+    line, no traceback (exit 2 for a config error or one of ``usage_errors``, else 1); a signal
+    (``recipe.driver.signals``) is one line saying where a re-run resumes, exit 128 + its number."""
     from megatron_bridge.errors import ConfigError
-    from recipe.config import load_config
     from recipe.data.dataset import DataError
     from recipe.driver.signals import Stopped
     from recipe.tracking.loggers import LoggerError
     from recipe.reward import RewardError
     from recipe.workers.group import ClusterError, WorkerDiedError
 
-    user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, OSError)
+    usage = (ConfigError, *usage_errors)
     try:
-        overrides = list(args.overrides) + ([f"algo={algo}"] if algo else [])
-        cfg = load_config(args.config, overrides)
-        if cfg.ignored:
-            print("verl keys with no effect here: " + "; ".join(cfg.ignored), file=sys.stderr)
-        from recipe.driver.trainer import train
-
-        train(cfg)
-    except user_errors as e:
+        body()
+    except (*usage, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, OSError) as e:
         notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
         print(f"error: {e}{notes}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
+        return 2 if isinstance(e, usage) else 1
     except Stopped as e:
         print(e, file=sys.stderr)
         return e.exit_code
     return 0
+
+
+def main(argv: list[str] | None = None, algo: str | None = None) -> int:
+    args = parse_args(argv, algo)
+
+    def body() -> None:
+        from recipe.config import load_config
+        from recipe.driver.trainer import train
+
+        cfg = load_config(args.config, list(args.overrides) + ([f"algo={algo}"] if algo else []))
+        if cfg.ignored:
+            print("verl keys with no effect here: " + "; ".join(cfg.ignored), file=sys.stderr)
+        train(cfg)
+
+    return run_reporting(body)
 
 
 if __name__ == "__main__":

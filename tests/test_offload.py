@@ -38,12 +38,16 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def _snapshot(actor) -> dict[str, torch.Tensor]:
     """Every parameter, main gradient, fp32 main parameter and optimizer state, as bytes."""
-    state = actor.state_dict()
-    out = {f"model.{i}.{k}": _bits(v) for i, m in enumerate(state["model"]) for k, v in m.items() if torch.is_tensor(v)}
-    for i, opt in enumerate(state["optimizer"]):
-        for g, group in enumerate(opt["params"]):
-            for j, entry in enumerate(group):
-                out.update({f"optimizer.{i}.{g}.{j}.{k}": _bits(v) for k, v in entry.items() if torch.is_tensor(v)})
+    from megatron_bridge.runtime.actor import _optimizers
+
+    out = {f"model.{k}": _bits(p) for k, p in _params(actor)}
+    for i, opt in enumerate(_optimizers(actor.optimizer)):
+        inner = opt.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for j, param in enumerate(group["params"]):
+                out[f"optimizer.{i}.{g}.{j}.param"] = _bits(param)
+                out.update({f"optimizer.{i}.{g}.{j}.{k}": _bits(v) for k, v in inner.state.get(param, {}).items()
+                            if torch.is_tensor(v)})
     return {**out, **{f"grad.{k}": _bits(p.main_grad) for k, p in _params(actor)}}
 
 

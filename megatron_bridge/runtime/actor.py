@@ -147,28 +147,6 @@ class MegatronActor:
             raise RuntimeError(f"the actor's {', '.join(self.host_copy.away)} are offloaded to the host: "
                                "call onload() first")
 
-    # --- checkpoint state -------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """This rank's weights, optimizer state (main parameters and moments of this rank's shard)
-        and LR schedule. Loading needs the same layout."""
-        self._require_on_device()
-        state = {"model": [chunk.module.state_dict() for chunk in self.chunks], "steps": self.steps}
-        if self.optimizer is not None:
-            state["optimizer"] = [_inner_state(o) for o in _optimizers(self.optimizer)]
-            state["scheduler"] = self.scheduler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self._require_on_device()
-        for chunk, weights in zip(self.chunks, state["model"], strict=True):
-            chunk.module.load_state_dict(weights, strict=True)
-        self.steps = state["steps"]
-        if self.optimizer is not None:
-            for opt, saved in zip(_optimizers(self.optimizer), state["optimizer"], strict=True):
-                _load_inner_state(opt, saved)
-            self.scheduler.load_state_dict(state["scheduler"])
-
     # --- passes ----------------------------------------------------------------------------
 
     def micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
@@ -358,36 +336,6 @@ def _padded(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, en
 def _optimizers(optimizer) -> list:
     """megatron's optimizers behind ``optimizer`` (a ChainedOptimizer holds dense and expert ones)."""
     return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if getattr(o, "optimizer", None) is not None]
-
-
-def _inner_state(opt) -> dict:
-    """The torch optimizer's groups and, per parameter it steps (megatron's fp32 main parameters or
-    this DP rank's shard of them), the parameter and its state. Plain tensors, no collectives:
-    each rank saves its own shard."""
-    inner = opt.optimizer
-    return {
-        "groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups],
-        "params": [
-            [{"param": p.detach().clone(), **{k: v.clone() if torch.is_tensor(v) else v
-                                                for k, v in inner.state.get(p, {}).items()}}
-             for p in g["params"]]
-            for g in inner.param_groups
-        ],
-    }
-
-
-def _load_inner_state(opt, saved: dict) -> None:
-    inner = opt.optimizer
-    shapes = [[tuple(p.shape) for p in g["params"]] for g in inner.param_groups]
-    saved_shapes = [[tuple(s["param"].shape) for s in g] for g in saved["params"]]
-    if shapes != saved_shapes:
-        raise ValueError("the checkpoint's optimizer shards do not match this model's: was it written with another layout?")
-    with torch.no_grad():
-        for group, saved_group, saved_params in zip(inner.param_groups, saved["groups"], saved["params"]):
-            group.update(saved_group)
-            for param, entry in zip(group["params"], saved_params):
-                param.copy_(entry["param"])
-                inner.state[param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items() if k != "param"}
 
 
 def _sum_metrics(outputs: list[dict]) -> dict[str, torch.Tensor]:

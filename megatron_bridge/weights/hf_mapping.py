@@ -64,6 +64,8 @@ _LAYER_TENSORS = {
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "full"),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "cols"),
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "full"),
+    # dist_checkpointing's name for it (Transformer Engine's fused one)
+    "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "full"),
     "mlp.router.weight": (("mlp.gate.weight",), "full"),
 }
 _TOP_TENSORS = {

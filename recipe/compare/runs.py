@@ -100,6 +100,18 @@ def finished(run: Run) -> bool:
     return bool(steps) and max(steps) >= total
 
 
+def _start_state(run: Run, cfg) -> str:
+    """How an unfinished run starts: fresh, or resuming from its latest checkpoint's step."""
+    from pathlib import Path
+
+    from recipe.driver.checkpoint import TRAINER_STATE, to_resume
+
+    resume = to_resume(cfg.trainer, Path(run.directory) / "checkpoints")
+    if resume is None:
+        return "to run"
+    return f"resuming from step {json.loads((resume / TRAINER_STATE).read_text())['step']}"
+
+
 def run_comparison(config: str, variants: list[str], seeds: list[int], out: str, overrides: list[str]) -> list[Run]:
     """Check every run's config first, then train the runs that are not finished."""
     from recipe.config import load_config
@@ -108,8 +120,8 @@ def run_comparison(config: str, variants: list[str], seeds: list[int], out: str,
     runs = plan_runs(out, variants, seeds, overrides)
     configs = [load_config(config, list(run.overrides)) for run in runs]  # every error before anything runs
     todo = [(run, cfg) for run, cfg in zip(runs, configs) if not finished(run)]
-    for run in runs:
-        state = "to run" if any(run is r for r, _ in todo) else "finished"
+    for run, cfg in zip(runs, configs):
+        state = "finished" if not any(run is r for r, _ in todo) else _start_state(run, cfg)
         print(f"{run.variant} seed {run.seed}: {run.directory} ({state})")
     for i, (run, cfg) in enumerate(todo, 1):
         print(f"== [{i}/{len(todo)}] {run.variant}, seed {run.seed} ==", flush=True)
@@ -162,39 +174,37 @@ def _seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from recipe.data.dataset import DataError
-    from recipe.tracking.loggers import LoggerError
     from recipe.compare.report import ReportError, Rule, write_report
-    from recipe.reward import RewardError
-    from recipe.workers.group import ClusterError, WorkerDiedError
+    from recipe.main import run_reporting
 
-    user_errors = (ConfigError, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, FileNotFoundError,
-                   ReportError)
-    try:
+    written = []
+
+    def body() -> None:
         rule = Rule(window=args.window, drop=args.drop, spike_factor=args.spike_factor, learn=args.learn)
         if args.config is None:
             if not args.args or args.out is None:
                 raise ConfigError("give --config to run variants, or finished RUN_DIRs and --out REPORT_DIR for a report")
-            summary = write_report(args.args, args.out, rule)
-        else:
-            variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-            if not variants or len(set(variants)) < len(variants):
-                raise ConfigError(f"--variants {args.variants!r}: expected distinct variant names, e.g. {DEFAULT_VARIANTS}")
-            bad = [a for a in args.args if "=" not in a]
-            if bad:
-                raise ConfigError(f"{bad[0]!r}: with --config every argument is a key.sub=value override")
-            name = os.path.basename(args.config).removesuffix(".yaml")
-            out = args.out or os.path.join("runs", "compare", name)
-            runs = run_comparison(args.config, variants, _seeds(args.seeds), out, args.args)
-            summary = write_report([r.directory for r in runs], os.path.join(out, REPORT_DIR), rule)
-            args.out = os.path.join(out, REPORT_DIR)
-    except user_errors as e:
-        notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
-        print(f"error: {e}{notes}", file=sys.stderr)
-        return 2 if isinstance(e, (ConfigError, ReportError)) else 1
+            written.append((write_report(args.args, args.out, rule), args.out))
+            return
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        if not variants or len(set(variants)) < len(variants):
+            raise ConfigError(f"--variants {args.variants!r}: expected distinct variant names, e.g. {DEFAULT_VARIANTS}")
+        bad = [a for a in args.args if "=" not in a]
+        if bad:
+            raise ConfigError(f"{bad[0]!r}: with --config every argument is a key.sub=value override")
+        name = os.path.basename(args.config).removesuffix(".yaml")
+        out = args.out or os.path.join("runs", "compare", name)
+        runs = run_comparison(args.config, variants, _seeds(args.seeds), out, args.args)
+        report_dir = os.path.join(out, REPORT_DIR)
+        written.append((write_report([r.directory for r in runs], report_dir, rule), report_dir))
+
+    status = run_reporting(body, usage_errors=(ReportError,))  # a signal's line says where a re-run resumes
+    if status:
+        return status
+    summary, report_dir = written[0]
     unstable = [f"{v.variant} seed {r.seed}: {r.unstable_kind} at step {r.unstable_step}" for v in summary.variants
                 for r in v.runs if r.unstable_step is not None]
-    print(f"report: {os.path.join(args.out, 'report.md')}" + (f"; unstable: {', '.join(unstable)}" if unstable else ""))
+    print(f"report: {os.path.join(report_dir, 'report.md')}" + (f"; unstable: {', '.join(unstable)}" if unstable else ""))
     return 0
 
 

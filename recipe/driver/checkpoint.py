@@ -1,9 +1,17 @@
-"""What a run keeps on disk besides its metrics: checkpoints (every worker's shard and the driver's
-state, renamed into place once complete), which one to resume from, and the run's provenance.
+"""What a run keeps on disk besides its metrics: checkpoints (the actor's reshardable checkpoint and
+the driver's state, renamed into place once complete), which one to resume from, and the run's
+provenance.
 
-``<run dir>/checkpoints/global_step_K/``: one file per rank (``recipe.workers.actor``) and
-``trainer_state.json`` (step, sampler position, KL coefficient); ``<run dir>/provenance.json``:
-the initial weights' fingerprint and the seeds, written at the run's first start.
+``<run dir>/checkpoints/global_step_K/`` (as verl lays out its Megatron checkpoints):
+
+- ``actor/``: megatron-core's torch_dist checkpoint written by all ranks together
+  (``megatron_bridge.runtime.checkpoint``), loadable under any parallel layout;
+- ``actor/huggingface/``: the base model's config and tokenizer files (what an HF export needs
+  besides the weights: ``python -m recipe.model_merger``);
+- ``trainer_state.json``: step, sampler position, adaptive KL coefficient.
+
+``<run dir>/provenance.json``: the initial weights' fingerprint and the seeds, written at the
+run's first start.
 """
 
 from __future__ import annotations
@@ -12,14 +20,21 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_bridge.errors import ConfigError
+from megatron_bridge.weights.dist_checkpoint import damage as actor_damage
 from recipe.config import TrainerConfig
-from recipe.workers.group import WorkerGroup
 
+if TYPE_CHECKING:
+    from recipe.workers.group import WorkerGroup
+
+ACTOR_DIR = "actor"
+HF_DIR = "huggingface"
 CHECKPOINT_PREFIX = "global_step_"
 PROVENANCE_FILE = "provenance.json"
 TRAINER_STATE = "trainer_state.json"
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -29,19 +44,65 @@ def checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
-def to_resume(t: TrainerConfig, directory: Path) -> Path | None:
-    """The checkpoint ``trainer.resume_mode`` asks for: none, the given path, or the latest in ``directory``."""
+def damage(checkpoint: Path) -> list[str]:
+    """Why ``checkpoint`` cannot be resumed from, each reason beginning with the file's name (empty:
+    it is intact as far as the files and the format's metadata tell, without reading the tensors)."""
+    found = []
+    try:
+        state = json.loads((checkpoint / TRAINER_STATE).read_text())
+        if not isinstance(state, dict) or not {"step", "sampler"} <= state.keys():
+            found.append(f"{TRAINER_STATE} lacks the step or the sampler's position")
+    except FileNotFoundError:
+        found.append(f"{TRAINER_STATE} is missing")
+    except (ValueError, OSError):  # a truncated file, or bytes that are not text
+        found.append(f"{TRAINER_STATE} cannot be read as JSON")
+    actor = checkpoint / ACTOR_DIR
+    if not actor.is_dir():
+        return found + [f"{ACTOR_DIR}/ is missing"]
+    return found + [f"{ACTOR_DIR}/{d}" for d in actor_damage(actor)]
+
+
+def resume_point(t: TrainerConfig, directory: Path) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """The checkpoint ``trainer.resume_mode`` asks for (none, the given path, or the newest intact
+    one in ``directory``), and the newer ones skipped as damaged, with why. A ``resume_from_path``
+    that is not a complete checkpoint is a config error naming what it lacks."""
     if t.resume_mode == "disable":
-        return None
+        return None, []
     if t.resume_mode == "resume_path":
         path = Path(t.resume_from_path)
-        if not (path / TRAINER_STATE).is_file():
-            what = f"has no {TRAINER_STATE}" if path.is_dir() else "does not exist"
-            raise ConfigError(f"trainer.resume_from_path={path} {what}: give a checkpoint directory "
+        if not path.is_dir():
+            raise ConfigError(f"trainer.resume_from_path={path} does not exist: give a checkpoint directory "
                               f"(<run dir>/checkpoints/{CHECKPOINT_PREFIX}K)")
-        return path
-    done = checkpoints(directory)
-    return done[-1] if done else None
+        found = damage(path)
+        if found:
+            raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint: {'; '.join(found)}; "
+                              f"give another one (<run dir>/checkpoints/{CHECKPOINT_PREFIX}K)")
+        return path, []
+    named = [p for p in directory.glob(f"{CHECKPOINT_PREFIX}*")
+             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+    skipped = []
+    for path in sorted(named, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), reverse=True):
+        found = damage(path)
+        if not found:
+            return path, skipped
+        skipped.append((path, found))
+    return None, skipped
+
+
+def to_resume(t: TrainerConfig, directory: Path) -> Path | None:
+    """The checkpoint a start with ``t`` resumes from (``resume_point``)."""
+    return resume_point(t, directory)[0]
+
+
+def set_aside(checkpoint: Path) -> Path:
+    """Rename a damaged checkpoint out of the way of resume and retention (kept for inspection)."""
+    target = checkpoint.with_name(checkpoint.name + ".damaged")
+    n = 1
+    while target.exists():
+        n += 1
+        target = checkpoint.with_name(f"{checkpoint.name}.damaged{n}")
+    os.rename(checkpoint, target)
+    return target
 
 
 def rerun_note(t: TrainerConfig, directory: Path) -> str:
@@ -62,27 +123,52 @@ def remove_stale(directory: Path) -> list[Path]:
     return stale
 
 
-def load(workers: WorkerGroup, checkpoint: Path) -> dict:
-    """Every worker loads its shard; the driver's state as saved."""
+def load(workers: WorkerGroup, checkpoint: Path) -> tuple[dict, bool]:
+    """Every worker loads its part of the actor checkpoint, whatever layout wrote it; the driver's
+    state as saved, and whether the workers' RNG states came back (same layout only)."""
     state = json.loads((checkpoint / TRAINER_STATE).read_text())
-    workers.call("load", [(str(checkpoint),)] * workers.world_size, "checkpoint load")
-    return state
+    restored = workers.call("load", [(str(checkpoint / ACTOR_DIR),)] * workers.world_size, "checkpoint load")
+    return state, all(restored)
 
 
-def save(workers: WorkerGroup, directory: Path, step: int, state: dict, keep: int) -> Path:
-    """Every worker writes its shard into a temporary directory, which is renamed into place once
-    complete with the driver's ``state``; checkpoints beyond the last ``keep`` are removed (0: none)."""
+def start_save(workers: WorkerGroup, directory: Path, step: int, state: dict, model_dir: str) -> Path:
+    """The workers write the actor checkpoint into a temporary directory (in the background with
+    ``actor.checkpoint.async_save``), beside the base model's config and tokenizer (from
+    ``model_dir``) and the driver's ``state``. Returns the temporary directory: ``finish_save``
+    renames it into place once complete, so an unfinished save is never resumed from."""
     final = directory / f"{CHECKPOINT_PREFIX}{step}"
     tmp = directory / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    workers.call("save", [(str(tmp),)] * workers.world_size, "checkpoint save")
+    workers.call("save", [(str(tmp / ACTOR_DIR),)] * workers.world_size, "checkpoint save")
+    copy_hf_files(Path(model_dir), tmp / ACTOR_DIR / HF_DIR)
     (tmp / TRAINER_STATE).write_text(json.dumps(state))
+    return tmp
+
+
+def finish_save(workers: WorkerGroup, tmp: Path, keep: int) -> Path:
+    """Wait for the workers' files, rename the checkpoint into place; checkpoints beyond the last
+    ``keep`` are removed (0: none)."""
+    workers.call("finish_save", phase="checkpoint save")
+    final = tmp.parent / tmp.name[1 : -len(".tmp")]
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
-    for old in checkpoints(directory)[:-keep] if keep > 0 else []:
+    for old in checkpoints(tmp.parent)[:-keep] if keep > 0 else []:
         shutil.rmtree(old)
     return final
+
+
+def disk_bytes(checkpoint: Path) -> int:
+    """What a checkpoint occupies on disk: the bytes its files hold."""
+    return sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+
+
+def copy_hf_files(model_dir: Path, target: Path) -> None:
+    """Everything of a HF model directory but its weights: config, generation config, tokenizer."""
+    target.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, target / f.name)
 
 
 def record_provenance(run_dir: Path, workers: WorkerGroup, model_dir: str, trainer_seed: int, data_seed: int,

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import signal
 import zlib
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -95,6 +96,7 @@ class Trainer:
         self.started = False  # start() is done: self.step is the resumed step
         self.started_ray = False  # by start(); train() shuts it down
         self.workers: WorkerGroup | None = None
+        self.pending_save: Path | None = None  # a background save's temporary directory
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -102,12 +104,14 @@ class Trainer:
         """Start the workers and restore the latest checkpoint if resuming. What the run reads and
         writes is checked first: the checkpoint to resume from, the run directory."""
         cfg, t = self.cfg, self.cfg.trainer
-        resume = checkpoint.to_resume(t, self.ckpt_dir)
+        resume, damaged = checkpoint.resume_point(t, self.ckpt_dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2, default=str))
             for stale in checkpoint.remove_stale(self.ckpt_dir):
                 tqdm.write(f"removed {stale}: a checkpoint a stopped run did not finish writing")
+            for path, found in damaged:
+                tqdm.write(f"skipped {path}: {'; '.join(found)}; moved to {checkpoint.set_aside(path)}")
         except OSError as e:
             raise ConfigError(f"trainer.default_local_dir={self.dir}: cannot write the run directory "
                               f"({e.strerror}: {e.filename}); give a directory this user can write") from e
@@ -124,11 +128,12 @@ class Trainer:
         tqdm.write("workers: " + "; ".join(spans))
         checkpoint.record_provenance(self.dir, self.workers, self.model_dir, t.seed, cfg.data.seed, self.total_steps)
         if resume is not None:
-            state = checkpoint.load(self.workers, resume)
+            state, rng = checkpoint.load(self.workers, resume)
             self.step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
             self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
-            tqdm.write(f"resumed from {resume} (step {self.step})")
+            tqdm.write(f"resumed from {resume} (step {self.step})" + ("" if rng else
+                       "; written under another layout: weights, optimizer and schedule resharded, RNG states as seeded"))
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
         loggers = t.logger if on_terminal() or "console" in t.logger else [*t.logger, "console"]
         self.tracking = Tracking(str(self.dir), loggers, t.project_name, t.experiment_name, config_to_dict(cfg),
@@ -158,11 +163,13 @@ class Trainer:
                     metrics.update(self.validate())
                 saved = t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps)
                 if saved:
-                    self.save_checkpoint()
+                    metrics.update(self.save_checkpoint(wait=self.step == self.total_steps))
                 self.tracking.log(metrics, step=self.step)
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
-                self.signals.step_ended(None if saved else self.save_checkpoint)
+                # a SIGTERM waiting for this step's end stops after a complete checkpoint: this step's own
+                # (finished, if it is being written in the background) or one saved now
+                self.signals.step_ended(self._finish_save if saved else partial(self.save_checkpoint, wait=True))
         bar.close()
         return self.finish()
 
@@ -319,10 +326,27 @@ class Trainer:
 
     # --- the end -----------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> Path:
-        """Every worker's shard and the driver's state (``recipe.driver.checkpoint``)."""
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value}
-        return checkpoint.save(self.workers, self.ckpt_dir, self.step, state, self.cfg.trainer.max_actor_ckpt_to_keep)
+    def save_checkpoint(self, wait: bool = True) -> dict[str, float]:
+        """Every worker's shard and the driver's state (``recipe.driver.checkpoint``). With
+        ``actor.checkpoint.async_save`` and not ``wait``, the workers write in the background and
+        the checkpoint is renamed into place at the next save (or the run's end). Returns
+        ``timing_s/save_checkpoint`` (what the loop waited: this save's staging, and the wait for
+        the one before) and ``perf/checkpoint_bytes`` of the checkpoint completed now, if one was."""
+        timer, done = Timer(), None
+        with timer("save_checkpoint"):
+            done = self._finish_save()
+            state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value}
+            self.pending_save = checkpoint.start_save(self.workers, self.ckpt_dir, self.step, state, self.model_dir)
+            if wait or not self.cfg.actor_rollout_ref.actor.checkpoint.async_save:
+                done = self._finish_save()
+        return {**timer.timings, **({"perf/checkpoint_bytes": checkpoint.disk_bytes(done)} if done else {})}
+
+    def _finish_save(self) -> Path | None:
+        if self.pending_save is None:
+            return None
+        done = checkpoint.finish_save(self.workers, self.pending_save, self.cfg.trainer.max_actor_ckpt_to_keep)
+        self.pending_save = None
+        return done
 
     def finish(self) -> Path:
         self.tracking.close()

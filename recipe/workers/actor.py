@@ -10,12 +10,9 @@ the rollout engine goes to sleep).
 
 from __future__ import annotations
 
-import os
-import random
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 import torch
 
 from megatron_bridge.errors import ConfigError
@@ -27,9 +24,6 @@ if TYPE_CHECKING:
     from megatron_bridge.moe.table import RoutingRecord
     from megatron_bridge.runtime.actor import MegatronActor
     from megatron_bridge.weights.export import WeightExporter
-
-CHECKPOINT_FILE = "rank_{rank:05d}.pt"
-
 
 class ActorWorker:
     def __init__(self, cfg: RecipeConfig, rank: int, world_size: int, model_dir: str, dtype: torch.dtype,
@@ -50,6 +44,11 @@ class ActorWorker:
         self.actor = MegatronActor(spec, layout.train, options, arr.actor.optim, platform)
         self.actor.load_hf(model_dir)
         self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
+        self.save_queue = None  # megatron's queue of background saves (actor.checkpoint.async_save)
+        if arr.actor.checkpoint.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.save_queue = AsyncCallsQueue()
         self.ref = None
         if cfg.needs_reference:
             self.ref = MegatronActor(spec, layout.train, options, None, platform)
@@ -175,33 +174,27 @@ class ActorWorker:
     # --- checkpoint shard -------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
-        """This rank's shard, optimizer, LR schedule and RNG states, in ``directory`` (which the
-        driver creates and later renames into place)."""
-        self._on_device(self.actor)
-        state = {
-            "actor": self.actor.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "world_size": self.world_size,
-            "layout": self.cfg.layout,
-        }
-        torch.save(state, os.path.join(directory, CHECKPOINT_FILE.format(rank=self.rank)))
+        """This rank's part of the reshardable checkpoint in ``directory``
+        (``megatron_bridge.runtime.checkpoint``); with ``actor.checkpoint.async_save`` the files
+        are written in the background until ``finish_save``."""
+        from megatron_bridge.runtime import checkpoint
 
-    def load(self, directory: str) -> None:
-        path = os.path.join(directory, CHECKPOINT_FILE.format(rank=self.rank))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"checkpoint {directory} has no file for rank {self.rank} ({path})")
-        state = torch.load(path, weights_only=False)
-        if state["layout"].train != self.cfg.layout.train or state["world_size"] != self.world_size:
-            raise ConfigError(
-                f"checkpoint {directory} was written with {state['world_size']} ranks and train layout "
-                f"{state['layout'].train}; this run has {self.world_size} ranks and {self.cfg.layout.train}. "
-                "Resume with the same parallel layout (or start fresh: trainer.resume_mode=disable)"
-            )
         self._on_device(self.actor)
-        self.actor.load_state_dict(state["actor"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        checkpoint.save(self.actor, directory, self.save_queue)
+
+    def finish_save(self) -> None:
+        """Wait for the background save, with every rank (a no-op when saves are synchronous)."""
+        from megatron_bridge.runtime import checkpoint
+
+        if self.save_queue is not None:
+            checkpoint.finish_saves(self.save_queue)
+
+    def load(self, directory: str) -> bool:
+        """Load a checkpoint written under any layout; whether the RNG states came back too."""
+        from megatron_bridge.runtime import checkpoint
+
+        self._on_device(self.actor)
+        return checkpoint.load(self.actor, directory)
 
 
 def _check_replay(batch: dict[str, torch.Tensor], replay: bool) -> None:

@@ -140,9 +140,13 @@ class Worker:
     def save(self, directory: str) -> None:
         self.actor.save(directory)
 
-    def load(self, directory: str) -> None:
-        self.actor.load(directory)
+    def finish_save(self) -> None:
+        self.actor.finish_save()
+
+    def load(self, directory: str) -> bool:
+        restored = self.actor.load(directory)
         self.sync_weights()
+        return restored
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -1,0 +1,204 @@
+"""One rank's part of a reshardable checkpoint on megatron-core's ``dist_checkpointing`` (the
+``torch_dist`` backend, fully parallel save and load over the data-parallel ranks).
+
+What a checkpoint holds: the model chunks' and the DistributedOptimizer's sharded state dicts
+(fp32 main parameters and Adam moments of every parameter, in the model's space), the LR schedule,
+the actor's step count, and each rank's RNG states. Every tensor is stored as the global tensor
+its shards belong to (megatron names; layers and experts are leading axes), so a checkpoint loads
+under any TP / PP / VPP / EP / ETP / DP layout of the same model.
+
+RNG states are per rank: they are restored when the checkpoint was written by the same number of
+ranks in the same training layout. Under another layout a rank has no counterpart, so each keeps
+the states seeded at start (``trainer.seed``); the recipe's rollouts draw from per-request seeds
+and the tiny model has no dropout, so nothing the recipe computes depends on them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, check_complete
+
+if TYPE_CHECKING:
+    from megatron_bridge.runtime.actor import MegatronActor
+
+RNG_KEY = "rng_state"
+OPTIMIZER_KEY = "optimizer"
+
+
+def save(actor: "MegatronActor", directory: str, queue=None) -> None:
+    """Write this rank's part of the checkpoint into ``directory`` (every rank calls it together).
+
+    With ``queue`` (megatron's ``AsyncCallsQueue``) a forked process writes the tensor files while
+    training goes on: the call returns once the state is staged (copied to the host by megatron's
+    preload; on the CPU the fork's copy-on-write pages keep it as it was), and ``finish_saves``
+    completes the checkpoint (its metadata.json last, so until then it is incomplete)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    numpy2_compat()
+    state, optimizers = sharded_state_dict(actor, loading=False)
+    state.update(_layout(actor), steps=actor.steps)
+    if optimizers is not None:
+        state.update(scheduler=actor.scheduler.state_dict(), adam_step=optimizers.step())
+    state[RNG_KEY] = _rng_object(_rng_state())
+    os.makedirs(directory, exist_ok=True)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _parallel_group())
+    request = dist_checkpointing.save(state, directory, strategy, async_sharded_save=queue is not None)
+    if queue is not None:
+        queue.schedule_async_request(request)
+
+
+def finish_saves(queue) -> None:
+    """Wait until every rank's pending saves are written, then finalize them (collective)."""
+    queue.maybe_finalize_async_calls(blocking=True)
+
+
+def load(actor: "MegatronActor", directory: str) -> bool:
+    """Load the checkpoint in ``directory`` into this rank's shards, whatever layout wrote it.
+    Returns whether the RNG states were restored (same ranks and layout, see the module's notes)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    numpy2_compat()
+    check_complete(directory)
+    common = dist_checkpointing.load_common_state_dict(Path(directory))
+    same_layout = {k: common.get(k) for k in ("world_size", "train_layout")} == _layout(actor)
+    state, optimizers = sharded_state_dict(actor, loading=True)
+    if same_layout:
+        state[RNG_KEY] = _rng_object(None)
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(directory), _parallel_group())
+    try:
+        loaded = dist_checkpointing.load(state, directory, strategy)
+    except CheckpointException as e:  # every rank raises the failures of all
+        rank, (failure, _) = sorted(e.failures.items())[0]
+        raise CheckpointFilesError(
+            f"checkpoint {directory} is damaged: reading its tensors failed on rank {rank} "
+            f"({type(failure).__name__}: {failure}); resume from an earlier checkpoint "
+            f"(trainer.resume_mode=resume_path) or move this one away") from e
+    for chunk, weights in zip(actor.chunks, loaded["model"], strict=True):
+        chunk.module.load_state_dict(weights, strict=True)
+    actor.steps = loaded["steps"]
+    if actor.optimizer is not None:
+        optimizers.load(loaded[OPTIMIZER_KEY], loaded["adam_step"])
+        actor.scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded[RNG_KEY])
+    return same_layout
+
+
+def sharded_state_dict(actor: "MegatronActor", loading: bool) -> tuple[dict, "_OptimizerState | None"]:
+    """The model chunks' sharded state dicts (each under its virtual pipeline stage) and the
+    optimizer's tensors, which refer to them."""
+    model = []
+    for stage, chunk in enumerate(actor.chunks):
+        with _virtual_stage(actor.train.vpp, stage):
+            model.append(chunk.module.sharded_state_dict())
+    state = {"model": model}
+    optimizers = None
+    if actor.optimizer is not None:
+        optimizers = _OptimizerState(actor.optimizer, state, loading)
+        state[OPTIMIZER_KEY] = optimizers.tensors
+    return state, optimizers
+
+
+class _OptimizerState:
+    """The DistributedOptimizer's state in megatron's ``fully_sharded_model_space`` form, stored
+    so that it loads under any EP: how many optimizers megatron chains depends on the layout
+    (the experts get their own when EP > 1) and its ChainedOptimizer prefixes each member's keys
+    with its position. Here the tensors go into the checkpoint under their own names (each
+    parameter belongs to exactly one member) and the members' non-tensor state, which is the
+    same for all of them but Adam's step, is rebuilt from the loading optimizer."""
+
+    def __init__(self, optimizer, model_state: dict, loading: bool):
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        from megatron_bridge.runtime.actor import _optimizers
+
+        self.members = _optimizers(optimizer)
+        self.states = [o.sharded_state_dict(model_state, is_loading=loading) for o in self.members]
+        # (the dict holding a tensor, its key there) for every tensor of every member
+        self.slots = [(entry, name) for s in self.states for entry in s["param_state"].values()
+                      for name, value in entry.items() if isinstance(value, ShardedBase)]
+        self.tensors = {i: entry[name] for i, (entry, name) in enumerate(self.slots)}
+
+    def step(self) -> float | None:
+        steps = {g.get("step") for s in self.states for g in s["optimizer"]["param_groups"]}
+        if len(steps) != 1:
+            raise ValueError(f"the optimizers disagree on Adam's step: {sorted(map(str, steps))}")
+        return steps.pop()
+
+    def load(self, tensors: dict, step: float | None) -> None:
+        for i, (entry, name) in enumerate(self.slots):
+            entry[name] = tensors[i]
+        for member, state in zip(self.members, self.states):
+            for group in state["optimizer"]["param_groups"]:
+                if step is not None:
+                    group["step"] = step
+            member.load_state_dict(state)
+
+
+def _layout(actor: "MegatronActor") -> dict:
+    return {"world_size": torch.distributed.get_world_size(), "train_layout": asdict(actor.train)}
+
+
+@contextmanager
+def _virtual_stage(vpp: int | None, stage: int):
+    """megatron names a chunk's layers by the virtual pipeline rank set in its parallel state."""
+    from megatron.core import parallel_state as ps
+
+    if not vpp:
+        yield
+        return
+    before = ps.get_virtual_pipeline_model_parallel_rank()
+    ps.set_virtual_pipeline_model_parallel_rank(stage)
+    try:
+        yield
+    finally:
+        ps.set_virtual_pipeline_model_parallel_rank(before)
+
+
+def _parallel_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def _rng_object(data):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return ShardedObject(RNG_KEY, data, (world,), (rank,), replica_id=0)
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def numpy2_compat() -> None:
+    # megatron-core 0.12.1's sharding validation calls np.product, which NumPy 2 removed.
+    if not hasattr(np, "product"):
+        np.product = np.prod

@@ -1,0 +1,283 @@
+"""Reshardable checkpoints (megatron_bridge.runtime.checkpoint): a checkpoint written under EP2
+after one update loads under another layout (TP2, DP2, PP2 with VPP2) and the next update there
+matches the one after it under EP2 (loss, grad norm and new weights within fp32 rounding, so
+weights, Adam moments and step came back); under the same layout bit for bit, RNG states
+included. An incomplete checkpoint is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_bridge.plan.layout import TrainParallel
+from megatron_bridge.tiny_model import save_tiny_checkpoint
+from tests.distributed import run_ranks
+from tests.numerics import rounding
+from tests.test_actor_update import LOSSES, OPTIM, assemble, make_batch, max_grad, tolerances
+
+WRITER = {"ep": 2, "etp": 1}
+READERS = {  # name: train layout on 2 ranks
+    "ep2_same": WRITER,
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    "dp2": {},
+    "pp2_vpp2": {"pp": 2, "vpp": 2},
+}
+MICRO = 2
+
+
+def _steps(rank, world_size, checkpoint, batches, train_kwargs, directory, save, out_prefix, async_save=False):
+    """One update and a save (``save``; written in the background during the next update with
+    ``async_save``), or a load; then the next update. Its metrics, the weights it gives (HF
+    slices), a draw from each RNG afterwards, and how long the save blocked."""
+    import time
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    import numpy as np
+    from megatron.core import parallel_state as ps
+
+    from loss.megatron_hook import policy_loss_func
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.runtime import checkpoint as dist_checkpoint
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.optim import OptimConfig
+    from megatron_bridge.weights.export import local_hf_slices
+
+    train = TrainParallel(**train_kwargs)
+    initialize_parallel(train)
+    spec = load_model_spec(checkpoint)
+    actor = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), OptimConfig(**OPTIM), "cpu")
+    actor.load_hf(checkpoint)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+
+    def update(batch):
+        rows = len(batch["input_ids"]) // dp
+        mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+        return actor.train_step(mine, MICRO, partial(policy_loss_func, LOSSES["gspo"]), None)
+
+    restored, queue, blocked = None, AsyncCallsQueue() if async_save else None, None
+    if save:
+        update(batches[0])
+        start = time.perf_counter()
+        dist_checkpoint.save(actor, directory, queue)
+        blocked = time.perf_counter() - start
+    else:
+        restored = dist_checkpoint.load(actor, directory)
+    rng = [torch.rand(1).item(), random.random(), float(np.random.rand())]
+    metrics = update(batches[1])
+    if queue is not None:
+        assert not os.path.exists(os.path.join(directory, "metadata.json"))  # written when finished
+        dist_checkpoint.finish_saves(queue)
+    torch.save([(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(actor.chunks, spec)],
+               f"{out_prefix}_gspo_rank{rank}.pt")
+    return {**metrics, "max_grad": max_grad(actor), "steps": actor.steps, "restored": restored, "rng": rng,
+            "max_weight": max(float(p.abs().max()) for c in actor.chunks for p in c.parameters()), "blocked": blocked}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The tiny model, two batches, the EP2 checkpoint after the first update and the EP2
+    continuation (the second update)."""
+    tmp = tmp_path_factory.mktemp("writer")
+    model = save_tiny_checkpoint(tmp / "hf", seed=1)
+    batches = [make_batch(model, seed) for seed in (0, 1)]
+    results = run_ranks(_steps, 2, tmp, model, batches, WRITER, str(tmp / "ckpt"), True, str(tmp / "w"))
+    return model, batches, tmp / "ckpt", results, assemble(str(tmp / "w"), "gspo", 2)
+
+
+def _resume(written, tmp, layout):
+    model, batches, directory = written[:3]
+    results = run_ranks(_steps, 2, tmp, model, batches, layout, str(directory), False, str(tmp / "w"))
+    return results, assemble(str(tmp / "w"), "gspo", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.numerics
+def test_resume_under_another_layout_continues_the_run(written, tmp_path, reader):
+    model, batches, _, reference, ref_weights = written
+    results, weights = _resume(written, tmp_path, READERS[reader])
+    ref = reference[0]
+    assert ref["actor/skipped"] == 0 and ref["steps"] == 2
+    if reader == "ep2_same":  # bit for bit, and the RNG draws too
+        assert results == [{**r, "restored": True, "blocked": None} for r in reference]
+        for name, tensor in ref_weights.items():
+            assert torch.equal(weights[name], tensor), name
+        return
+    tolerance = _tolerances(written)
+    for got in results:
+        assert got["steps"] == 2 and got["restored"] is False
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/entropy", "actor/ppo_kl",
+                    "actor/lr"):
+            assert got[key] == pytest.approx(ref[key], rel=0, abs=tolerance[key]), key
+    assert weights.keys() == ref_weights.keys()
+    for name, tensor in ref_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=tolerance["weight"], msg=name)
+
+
+def _tolerances(written) -> dict[str, float]:
+    """The second update's metrics (tests.test_actor_update.tolerances) and its new weights: Adam
+    moves a weight by lr * m / (sqrt(v) + eps), whose slope in the gradient is at most lr / eps."""
+    model, batches, _, reference, _ = written
+    ref = reference[0]
+    tolerance = tolerances(model, batches[1], {**ref, "max_grad": max(r["max_grad"] for r in reference)})
+    tolerance["weight"] = OPTIM["lr"] / OPTIM["adam_eps"] * tolerance["grad"] + rounding(ref["max_weight"], 2)
+    return tolerance
+
+
+@pytest.mark.slow
+def test_second_update_depends_on_the_restored_moments(written, tmp_path):
+    """The check above can fail: a resume that reloads the weights but starts Adam afresh moves
+    them by more than its tolerance."""
+    model, batches, directory, _, ref_weights = written
+    run_ranks(_weights_only, 2, tmp_path, model, str(directory), batches, str(tmp_path / "w"))
+    weights = assemble(str(tmp_path / "w"), "gspo", 2)
+    worst = max(float((weights[n] - t).abs().max()) for n, t in ref_weights.items())
+    assert worst > _tolerances(written)["weight"], worst
+
+
+def _weights_only(rank, world_size, model, directory, batches, out_prefix):
+    """Load the checkpoint's weights into an actor whose optimizer starts afresh, then update."""
+    from megatron.core import parallel_state as ps
+
+    from loss.megatron_hook import policy_loss_func
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.runtime import checkpoint as dist_checkpoint
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.optim import OptimConfig
+    from megatron_bridge.weights.export import local_hf_slices
+
+    train = TrainParallel(**WRITER)
+    initialize_parallel(train)
+    spec = load_model_spec(model)
+    loaded = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), None, "cpu")
+    dist_checkpoint.load(loaded, directory)
+    fresh = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), OptimConfig(**OPTIM), "cpu")
+    with torch.no_grad():
+        for a, b in zip(fresh.chunks, loaded.chunks):
+            for p, q in zip(a.parameters(), b.parameters()):
+                p.copy_(q)
+    fresh._build_optimizer()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = len(batches[1]["input_ids"]) // dp
+    mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batches[1].items()}
+    fresh.train_step(mine, MICRO, partial(policy_loss_func, LOSSES["gspo"]), None)
+    torch.save([(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(fresh.chunks, spec)],
+               f"{out_prefix}_gspo_rank{rank}.pt")
+    return {}
+
+
+@pytest.mark.slow
+def test_async_save_writes_the_state_at_the_save(written, tmp_path):
+    """Saved in the background while the next update changes the weights in place: the checkpoint
+    holds them as they were at the save (a resume continues bit for bit), and it stays incomplete
+    (no metadata.json) until ``finish_saves``."""
+    model, batches, _, reference, ref_weights = written
+    directory = tmp_path / "async"
+    writer = run_ranks(_steps, 2, tmp_path, model, batches, WRITER, str(directory), True, str(tmp_path / "a"), True)
+    # (Python's and NumPy's RNGs are not seeded in these processes: a run's draws are its own)
+    assert [{k: v for k, v in r.items() if k not in ("blocked", "rng")} for r in writer] == \
+        [{k: v for k, v in r.items() if k not in ("blocked", "rng")} for r in reference]
+    results, weights = _resume((model, batches, directory), tmp_path, WRITER)
+    assert results == [{**r, "restored": True, "blocked": None} for r in writer]  # RNG draws too
+    for name, tensor in ref_weights.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_incomplete_checkpoint_is_named(written, tmp_path):
+    from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, check_complete
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written[2], directory)
+    check_complete(directory)
+    shard = sorted(p for p in os.listdir(directory) if p.endswith(".distcp"))[-1]
+    os.remove(directory / shard)
+    with pytest.raises(CheckpointFilesError, match=f"checkpoint {directory} is incomplete or damaged: {shard} is missing"):
+        check_complete(directory)
+    os.remove(directory / ".metadata")
+    with pytest.raises(CheckpointFilesError, match=r"\.metadata is missing"):
+        check_complete(directory)
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("damaged, reason", [
+    ("__0_0.distcp", r"__0_0\.distcp has \d+ bytes, its metadata places \d+"),
+    (".metadata", r"\.metadata cannot be read \(\w+\)"),
+    ("common.pt", r"common\.pt is not a complete torch\.save file"),
+    ("metadata.json", r"metadata\.json is not JSON"),
+])
+def test_a_truncated_file_is_named(written, tmp_path, damaged, reason):
+    """What a crash or a full disk leaves: any of the checkpoint's files cut short."""
+    from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, check_complete, damage
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written[2], directory)
+    assert damage(directory) == []
+    _truncate(directory / damaged)
+    with pytest.raises(CheckpointFilesError, match=f"checkpoint {directory} is incomplete or damaged: {reason}$"):
+        check_complete(directory)
+
+
+def _run_checkpoint(written, directory, step: int):
+    """A recipe checkpoint (``recipe.driver.checkpoint``'s layout) holding the written actor checkpoint."""
+    from recipe.driver.checkpoint import ACTOR_DIR, TRAINER_STATE
+
+    path = directory / f"global_step_{step}"
+    shutil.copytree(written[2], path / ACTOR_DIR)
+    (path / TRAINER_STATE).write_text(json.dumps({"step": step, "sampler": {"epoch": 0, "position": step}}))
+    return path
+
+
+def test_auto_resume_skips_damaged_checkpoints_and_says_why(written, tmp_path):
+    """The newest intact checkpoint is resumed from; each newer damaged one is named with its reason.
+    resume_from_path at a damaged one is refused naming what is wrong."""
+    from megatron_bridge.errors import ConfigError
+    from recipe.config import TrainerConfig
+    from recipe.driver.checkpoint import TRAINER_STATE, resume_point, set_aside
+
+    intact = _run_checkpoint(written, tmp_path, 2)
+    cut = _run_checkpoint(written, tmp_path, 4)
+    _truncate(cut / "actor" / "__1_0.distcp")
+    half_state = _run_checkpoint(written, tmp_path, 6)
+    _truncate(half_state / TRAINER_STATE)
+    no_state = _run_checkpoint(written, tmp_path, 8)
+    (no_state / TRAINER_STATE).unlink()
+    resume, skipped = resume_point(TrainerConfig(resume_mode="auto"), tmp_path)
+    assert resume == intact
+    assert [(p.name, len(why)) for p, why in skipped] == [("global_step_8", 1), ("global_step_6", 1),
+                                                          ("global_step_4", 1)]
+    assert skipped[0][1] == ["trainer_state.json is missing"]
+    assert skipped[1][1] == ["trainer_state.json cannot be read as JSON"]
+    assert re.fullmatch(r"actor/__1_0\.distcp has \d+ bytes, its metadata places \d+", skipped[2][1][0])
+
+    with pytest.raises(ConfigError, match=f"trainer.resume_from_path={cut} is not a complete checkpoint: "
+                                          r"actor/__1_0\.distcp has \d+ bytes"):
+        resume_point(TrainerConfig(resume_mode="resume_path", resume_from_path=str(cut)), tmp_path)
+    assert set_aside(cut) == tmp_path / "global_step_4.damaged" and not cut.exists()
+    assert resume_point(TrainerConfig(resume_mode="disable"), tmp_path) == (None, [])
+
+
+def test_auto_resume_skips_an_unfinished_save(written, tmp_path):
+    """A save killed before its rename leaves ``.global_step_K.tmp``; auto resume takes the last
+    complete checkpoint, and a save of that step again starts from a clean temporary directory."""
+    from recipe.config import TrainerConfig
+    from recipe.driver.checkpoint import checkpoints, remove_stale, to_resume
+
+    complete = _run_checkpoint(written, tmp_path, 2)
+    unfinished = _run_checkpoint(written, tmp_path, 4).rename(tmp_path / ".global_step_4.tmp")
+    assert checkpoints(tmp_path) == [complete]
+    assert to_resume(TrainerConfig(resume_mode="auto"), tmp_path) == complete
+    assert to_resume(TrainerConfig(resume_mode="disable"), tmp_path) is None
+    assert remove_stale(tmp_path) == [unfinished] and not unfinished.exists()
