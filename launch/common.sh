@@ -30,6 +30,8 @@ Environment (empty: the recipe's or layout's own value):
   PARALLEL                a configs/parallel/*.yaml (path or name): swaps the parallel layout
   RAY_PORT (6379), DASHBOARD_PORT (8265), DASHBOARD_AGENT_PORT (52365), JOIN_TIMEOUT_S (600), LOG_DIR (./logs)
   NODE_IPS                all nodes' addresses, comma-separated: names the missing ones on a time-out
+  MAX_RESTARTS (0)        resubmit a FAILED job up to this many times, once every node is back (JOIN_TIMEOUT_S);
+                          the run resumes from its last complete checkpoint
   HCCL_BUFFSIZE           MB; default: the planner's value for the layout (NPU with MC2)
   RECIPE, RUNTIME_ENV     another recipe YAML / runtime env template (default configs/runtime_env/<by device>)
   NODE_ROLE, NODE_IP      head|worker and this node's address, when auto-detection is wrong
@@ -355,6 +357,7 @@ launch_main() {
   DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
   DASHBOARD_AGENT_PORT=${DASHBOARD_AGENT_PORT:-52365}
   JOIN_TIMEOUT_S=${JOIN_TIMEOUT_S:-600}
+  MAX_RESTARTS=${MAX_RESTARTS:-0}
   RAY_START_TIMEOUT_S=${RAY_START_TIMEOUT_S:-120}
   LOG_DIR=${LOG_DIR:-logs}
   NODE_IPS=${NODE_IPS:-}
@@ -367,7 +370,7 @@ launch_main() {
   SEEDS=${SEEDS:-1}
   COMPARE_DIR=$(realpath -m "${COMPARE_DIR:-runs/compare/$(basename "$RECIPE" .yaml)}")
   local name
-  for name in RAY_PORT DASHBOARD_PORT DASHBOARD_AGENT_PORT JOIN_TIMEOUT_S RAY_START_TIMEOUT_S; do
+  for name in RAY_PORT DASHBOARD_PORT DASHBOARD_AGENT_PORT JOIN_TIMEOUT_S RAY_START_TIMEOUT_S MAX_RESTARTS; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die 2 "$name=${!name}: expected a whole number"
   done
   command -v ray >/dev/null || die 2 "the 'ray' command is not on PATH: install the package (pip install -e .) in this environment"
@@ -534,6 +537,7 @@ dry_run_report() {
     [[ $NODE_ROLE == head ]] && worker_ip="<its address on the route to $MASTER_IP>"
     printf '  %s\n' "$(quote_cmd "${WORKER_BASE[@]}" --node-ip-address "$worker_ip")"
   fi
+  ((MAX_RESTARTS == 0)) || echo "a FAILED job is resubmitted up to $MAX_RESTARTS time(s) (MAX_RESTARTS), once all $NNODES node(s) are back"
   echo "then the head stops its Ray when the job ends; the workers stop theirs when the head is gone."
   if [[ $NODE_ROLE == worker ]]; then
     if head_reachable; then
@@ -549,7 +553,7 @@ jobs_to_submit() {
   if [[ -n $LAUNCH_VARIANTS ]]; then echo "${LAUNCH_VARIANTS//,/ }"; else echo main; fi
 }
 
-# submit_cmd <job>: SUBMIT_CMD and SUBMIT_ID for "main" or one comparison variant. Ray runs the
+# submit_cmd <job> [restart]: SUBMIT_CMD and SUBMIT_ID for "main" or one comparison variant. Ray runs the
 # entrypoint with `sh -c`; `exec` makes the job that shell's own process, so that `ray job stop`
 # signals the job itself (a shell that forks it and is stopped right at the start leaves it running).
 submit_cmd() {
@@ -559,6 +563,7 @@ submit_cmd() {
     entry=(exec "$PYTHON" -m recipe.compare "${JOB_ARGS[@]}" --variants "$1" --seeds "$SEEDS" --out "$COMPARE_DIR")
     SUBMIT_ID=$JOB_NAME-$1
   fi
+  ((${2:-0} == 0)) || SUBMIT_ID=$SUBMIT_ID-restart$2
   SUBMIT_CMD=(ray job submit --no-wait --address "$DASHBOARD_URL" --submission-id "$SUBMIT_ID"
     --runtime-env "$RUN_LOG/runtime_env.yaml" -- "${entry[@]}")
 }
@@ -593,10 +598,32 @@ run_head() {
 }
 
 # run_job <job>: submit it (--no-wait: returns once the job is registered), follow its output to its
-# end, fail unless it SUCCEEDED.
+# end; a FAILED job is resubmitted up to MAX_RESTARTS times once every node is back (a lost node's
+# launcher, restarted by the scheduler, joins again); fail unless it SUCCEEDED in the end.
 run_job() {
-  submit_cmd "$1"
+  local restarts=0 rc
+  while :; do
+    rc=0
+    submit_and_follow "$1" "$restarts" || rc=$?
+    ((rc == 0)) && return 0
+    if ((rc != 1 || restarts >= MAX_RESTARTS)); then
+      die 1 "job $SUBMIT_ID did not succeed ($JOB_STATUS; log $JOB_LOG)$( ((restarts == 0)) || echo "; resubmitted $restarts time(s), MAX_RESTARTS=$MAX_RESTARTS")"
+    fi
+    restarts=$((restarts + 1))
+    log "restart $restarts of $MAX_RESTARTS: waiting up to ${JOIN_TIMEOUT_S}s for $NNODES node(s), then resubmitting (the run resumes from its last complete checkpoint)"
+    spawn CHILD_PID "${WAIT_CMD[@]}"
+    wait_child || die 1 "not all nodes are back; job $SUBMIT_ID was not resubmitted"
+  done
+}
+
+# submit_and_follow <job> <restart>: one submission of the job (a restart's id ends in -restart<N>),
+# followed to its end. Returns 0 if it SUCCEEDED, 1 if it FAILED (it may be resubmitted), 2 if it
+# ended otherwise (stopped from outside: not resubmitted); JOB_STATUS and JOB_LOG say how.
+submit_and_follow() {
+  submit_cmd "$1" "$2"
   local job_log=$RUN_LOG/job${LAUNCH_VARIANTS:+-$1}.log rc=0 job_status
+  (($2 == 0)) || job_log=$RUN_LOG/job${LAUNCH_VARIANTS:+-$1}-restart$2.log
+  JOB_LOG=$job_log
   log "submitting job $SUBMIT_ID: ${SUBMIT_CMD[*]:11}"
   JOB_ID=$SUBMIT_ID
   spawn SUBMIT_PID to_file "$job_log" "${SUBMIT_CMD[@]}"
@@ -610,7 +637,8 @@ run_job() {
   job_status=$("$PYTHON" -m recipe.cluster job-status --dashboard "$DASHBOARD_URL" --id "$SUBMIT_ID" 2>&1 | tail -n 1) || true
   case $job_status in SUCCEEDED | FAILED | STOPPED) JOB_ID="" ;; esac
   log "job $SUBMIT_ID: $job_status; run directory: ${LAUNCH_VARIANTS:+$COMPARE_DIR/$1}${LAUNCH_VARIANTS:-$RUN_DIR}"
-  [[ $job_status == SUCCEEDED ]] || die 1 "job $SUBMIT_ID did not succeed ($job_status; log $job_log)"
+  JOB_STATUS=$job_status
+  case $job_status in SUCCEEDED) return 0 ;; FAILED) return 1 ;; *) return 2 ;; esac
 }
 
 run_worker() {

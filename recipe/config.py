@@ -114,6 +114,8 @@ class ActorCheckpointConfig:
     """verl's ``actor.checkpoint``: how the actor's checkpoint is written (recipe.driver.checkpoint)."""
 
     async_save: bool = False  # the tensor files are written in the background while training goes on
+    # verl's list; "hf_model" adds the Hugging Face model under actor/huggingface/ at each save
+    save_contents: list[str] = field(default_factory=lambda: list(CHECKPOINT_CONTENTS))
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,14 @@ def seed_rule(v: int) -> str | None:
     return None if 0 <= v <= MAX_SEED else f"must be from 0 to {MAX_SEED}"
 
 
+def save_contents_rule(v: list[str]) -> str | None:
+    missing = [c for c in CHECKPOINT_CONTENTS if c not in v]
+    if missing:
+        return (f"lacks {', '.join(missing)}: a checkpoint here always holds {', '.join(CHECKPOINT_CONTENTS)} "
+                f"(a resume needs all of them); list them, and hf_model for a Hugging Face copy")
+    return one_of((*CHECKPOINT_CONTENTS, "hf_model"))(v)
+
+
 def freq_rule(v: int) -> str | None:
     return None if v == -1 or v >= 1 else "must be -1 (never) or >= 1"
 
@@ -348,6 +358,7 @@ TRUNCATIONS = ("error", "left", "right")
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_NAMES = ("auto", *ENGINES)
 RESUME_MODES = ("auto", "disable", "resume_path")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")  # verl's names: weights, optimizer state, schedule/RNG/step
 LOGGERS = ("console", "jsonl", "tensorboard", "swanlab", "wandb")
 REWARD_MANAGERS = ("naive", "dapo")
 ADV_ESTIMATORS = ("grpo",)
@@ -424,6 +435,7 @@ RULES: dict[str, Rule] = {
     "trainer.routing_drift_freq": freq_rule,
     "trainer.routing_drift_rows": POSITIVE,
     "trainer.logger": one_of(LOGGERS),
+    f"{_ACTOR}.checkpoint.save_contents": save_contents_rule,
 }
 
 

@@ -110,6 +110,7 @@ IGNORED: dict[str, str] = {
     f"{ACTOR}.megatron.vanilla_mbridge": "HF checkpoints load through megatron_bridge.weights",
     f"{REF}.megatron.use_mbridge": "HF checkpoints load through megatron_bridge.weights",
     f"{REF}.megatron.vanilla_mbridge": "HF checkpoints load through megatron_bridge.weights",
+    f"{ACTOR}.checkpoint.load_contents": "a resume loads model, optimizer and extra, whatever the list",
     f"{ACTOR}.megatron.seed": "seeds come from trainer.seed",
     f"{REF}.megatron.seed": "seeds come from trainer.seed",
     f"{ROLLOUT}.seed": "rollout seeds come from trainer.seed, the step and the row",

@@ -1,8 +1,9 @@
 """Reshardable checkpoints (megatron_bridge.runtime.checkpoint): a checkpoint written under EP2
-after one update loads under another layout (TP2, DP2, PP2 with VPP2) and the next update there
-matches the one after it under EP2 (loss, grad norm and new weights within fp32 rounding, so
-weights, Adam moments and step came back); under the same layout bit for bit, RNG states
-included. An incomplete checkpoint is refused by name."""
+after one update loads under another layout (TP2, DP2, PP2 with VPP2; on 4 ranks PP2 x VPP2 x EP2)
+and the next update there matches the one after it under EP2 (loss, grad norm and new weights
+within fp32 rounding, so weights, Adam moments and step came back); one written under DP2 loads
+under EP2; under the same layout bit for bit, RNG states included. An incomplete or damaged
+checkpoint is refused by name; the planner's checkpoint size matches the files."""
 
 from __future__ import annotations
 
@@ -81,36 +82,32 @@ def _steps(rank, world_size, checkpoint, batches, train_kwargs, directory, save,
             "max_weight": max(float(p.abs().max()) for c in actor.chunks for p in c.parameters()), "blocked": blocked}
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    """The tiny model, two batches, the EP2 checkpoint after the first update and the EP2
-    continuation (the second update)."""
+def _write(tmp_path_factory, layout):
+    """The tiny model, two batches, the checkpoint written under ``layout`` (2 ranks) after the
+    first update, that layout's continuation (the second update) and the weights it gives."""
     tmp = tmp_path_factory.mktemp("writer")
     model = save_tiny_checkpoint(tmp / "hf", seed=1)
     batches = [make_batch(model, seed) for seed in (0, 1)]
-    results = run_ranks(_steps, 2, tmp, model, batches, WRITER, str(tmp / "ckpt"), True, str(tmp / "w"))
+    results = run_ranks(_steps, 2, tmp, model, batches, layout, str(tmp / "ckpt"), True, str(tmp / "w"))
     return model, batches, tmp / "ckpt", results, assemble(str(tmp / "w"), "gspo", 2)
 
 
-def _resume(written, tmp, layout):
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    return _write(tmp_path_factory, WRITER)
+
+
+def _resume(written, tmp, layout, world_size=2):
     model, batches, directory = written[:3]
-    results = run_ranks(_steps, 2, tmp, model, batches, layout, str(directory), False, str(tmp / "w"))
-    return results, assemble(str(tmp / "w"), "gspo", 2)
+    results = run_ranks(_steps, world_size, tmp, model, batches, layout, str(directory), False, str(tmp / "w"))
+    return results, assemble(str(tmp / "w"), "gspo", world_size)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("reader", list(READERS))
-@pytest.mark.numerics
-def test_resume_under_another_layout_continues_the_run(written, tmp_path, reader):
-    model, batches, _, reference, ref_weights = written
-    results, weights = _resume(written, tmp_path, READERS[reader])
+def _assert_continues(written, results, weights):
+    """The resumed second update matches the writer's: metrics and new weights within fp32 rounding."""
+    reference, ref_weights = written[3:]
     ref = reference[0]
     assert ref["actor/skipped"] == 0 and ref["steps"] == 2
-    if reader == "ep2_same":  # bit for bit, and the RNG draws too
-        assert results == [{**r, "restored": True, "blocked": None} for r in reference]
-        for name, tensor in ref_weights.items():
-            assert torch.equal(weights[name], tensor), name
-        return
     tolerance = _tolerances(written)
     for got in results:
         assert got["steps"] == 2 and got["restored"] is False
@@ -120,6 +117,35 @@ def test_resume_under_another_layout_continues_the_run(written, tmp_path, reader
     assert weights.keys() == ref_weights.keys()
     for name, tensor in ref_weights.items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=tolerance["weight"], msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.numerics
+def test_resume_under_another_layout_continues_the_run(written, tmp_path, reader):
+    results, weights = _resume(written, tmp_path, READERS[reader])
+    if reader == "ep2_same":  # bit for bit, and the RNG draws too
+        assert results == [{**r, "restored": True, "blocked": None} for r in written[3]]
+        for name, tensor in written[4].items():
+            assert torch.equal(weights[name], tensor), name
+        return
+    _assert_continues(written, results, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_resume_of_a_dp2_checkpoint_under_ep2(tmp_path_factory, tmp_path):
+    """Dense experts (one optimizer) written, expert-parallel ones (megatron chains a second
+    optimizer for them) read."""
+    written_dp2 = _write(tmp_path_factory, {})
+    _assert_continues(written_dp2, *_resume(written_dp2, tmp_path, WRITER))
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_resume_on_four_ranks_with_virtual_pipeline_stages(written, tmp_path):
+    """Written by 2 ranks under EP2, read by 4 under PP2 x VPP2 x EP2 (DP2): more ranks than wrote it."""
+    _assert_continues(written, *_resume(written, tmp_path, {"pp": 2, "vpp": 2, "ep": 2}, world_size=4))
 
 
 def _tolerances(written) -> dict[str, float]:
@@ -205,6 +231,24 @@ def test_incomplete_checkpoint_is_named(written, tmp_path):
     os.remove(directory / ".metadata")
     with pytest.raises(CheckpointFilesError, match=r"\.metadata is missing"):
         check_complete(directory)
+
+
+def test_planned_checkpoint_size_matches_the_files(written):
+    """The planner's checkpoint size (fp32 weights here) is the tensor bytes of the files, less
+    torch.save's framing of each stored slice; each of the 2 ranks writes about half."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_bridge.plan.memory import checkpoint_bytes
+    from megatron_bridge.plan.model_spec import load_model_spec
+
+    model, _, directory = written[:3]
+    total, per_rank = checkpoint_bytes(load_model_spec(str(model)), world_size=2, weight_bytes=4)
+    slices = len(FileSystemReader(str(directory)).read_metadata().storage_data)
+    files = {p.name: p.stat().st_size for p in directory.glob("*.distcp")}
+    assert total < sum(files.values()) < total + slices * 2048
+    for rank in (0, 1):
+        written_by_rank = sum(size for name, size in files.items() if name.startswith(f"__{rank}_"))
+        assert per_rank < written_by_rank < per_rank * 1.2 + slices * 2048 / 2
 
 
 def _truncate(path, keep=0.5):

@@ -331,6 +331,8 @@ def test_bad_argument_and_bad_variable(tmp_path):
     assert out.returncode == 2 and "argument 'oops'" in out.stderr
     out = launch(TINY, tmp_path, JOIN_TIMEOUT_S="ten")
     assert out.returncode == 2 and "JOIN_TIMEOUT_S=ten" in out.stderr
+    out = launch(TINY, tmp_path, MAX_RESTARTS="-1")
+    assert out.returncode == 2 and "MAX_RESTARTS=-1: expected a whole number" in out.stderr
 
 
 def test_port_in_use_fails_before_ray_starts(tmp_path):
@@ -390,6 +392,33 @@ def test_failed_job_fails_the_launcher(tmp_path):
     out = launch(TINY, tmp_path, TINY_ARGS, NNODES="1", TRAIN_FILE=str(bad))
     assert out.returncode == 1
     assert "did not succeed (FAILED" in out.stderr
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_failed_job_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path):
+    """MAX_RESTARTS=1: the job fails once after its step-2 checkpoint (a planted reward error, as a
+    lost node would end it), is resubmitted once the node is back, and resumes there."""
+    run, marker = tmp_path / "run", tmp_path / "fail_once"
+    marker.touch()
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "import os\n"
+        "from recipe.reward.dispatch import default_compute_score\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    if os.path.isdir({str(run / 'checkpoints' / 'global_step_2')!r}) and os.path.exists({str(marker)!r}):\n"
+        f"        os.remove({str(marker)!r})\n"
+        "        raise RuntimeError('planted failure after the step-2 checkpoint')\n"
+        "    return default_compute_score(data_source, solution_str, ground_truth, extra_info)\n")
+    args = ["trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=-1",
+            "trainer.val_before_train=false", f"custom_reward_function.path={reward}"]
+    out = launch(TINY, tmp_path, args, NNODES="1", MAX_RESTARTS="1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "restart 1 of 1: waiting up to" in out.stdout and "FAILED" in out.stdout
+    (run_log,) = (tmp_path / "logs").iterdir()
+    assert "planted failure" in (run_log / "job.log").read_text()
+    assert f"resumed from {run / 'checkpoints' / 'global_step_2'} (step 2)" in (run_log / "job-restart1.log").read_text()
+    assert sorted(m["step"] for m in read_jsonl(str(run / "metrics.jsonl"))) == [1, 2, 3]
     assert_nothing_left(tmp_path)
 
 

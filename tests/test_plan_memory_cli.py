@@ -160,6 +160,9 @@ def test_a_reference_model_adds_its_weights_under_the_param_offload_rule():
     out = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3", "--reference-model", "--json")
     terms = json.loads(out.stdout)["memory_bytes"]
     assert out.returncode == 0 and terms["reference model weights (bf16, KL)"] == weights
+    # the checkpoint: bf16 weight, fp32 main parameter, Adam's two fp32 moments per parameter, over 32 ranks
+    total = Q30.total_params * (2 + 4 + 4 + 4)
+    assert json.loads(out.stdout)["checkpoint_bytes"] == {"total": total, "per_rank": -(-total // 32)}
 
 
 def test_search_prints_only_valid_layouts_that_check_accepts(tmp_path):

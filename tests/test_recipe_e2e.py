@@ -3,6 +3,7 @@ rollout engine, the built-in task. Learning, resume, signals, DP invariance, dea
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -141,12 +142,36 @@ RISE_MARGIN = 0.3
 # --- resume ---------------------------------------------------------------------------------------
 
 
+def assert_hf_copy_is_the_export(checkpoint: Path, merged: Path) -> None:
+    """``save_contents`` with ``hf_model`` wrote what ``recipe.model_merger`` exports from the same
+    checkpoint: the trained weights (not the base model's), loadable by transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from recipe.model_merger import main as merger
+
+    hf = checkpoint / "actor" / "huggingface"
+    assert merger(["merge", "--backend", "megatron", "--local_dir", str(checkpoint / "actor"),
+                   "--target_dir", str(merged)]) == 0
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert index == json.loads((merged / "model.safetensors.index.json").read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        saved, exported = load_file(hf / file), load_file(merged / file)
+        assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved), file
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    base = AutoModelForCausalLM.from_pretrained(json.loads((checkpoint.parents[1] / "provenance.json").read_text())
+                                                ["model_dir"])
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     common = ["--config", TINY["gspo"], "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
-    whole = tmp_path / "whole"
-    out = run_main(common + ["trainer.total_training_steps=3", f"trainer.default_local_dir={whole}"])
+    whole = tmp_path / "whole"  # also writes the HF copy at each save (it changes nothing else)
+    out = run_main(common + ["trainer.total_training_steps=3", f"trainer.default_local_dir={whole}",
+                             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
     assert out.returncode == 0, out.stderr[-3000:]
+    assert_hf_copy_is_the_export(whole / "checkpoints" / "global_step_3", tmp_path / "merged")
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "recipe.main", *common, "trainer.total_training_steps=8",

@@ -194,6 +194,18 @@ def static_memory(spec: ModelSpec, layout: Layout, pp_rank: int, dp_rank: int | 
     return StaticMemory(weights, grads, optimizer)
 
 
+def checkpoint_bytes(spec: ModelSpec, world_size: int, weight_bytes: int = PARAM_BYTES) -> tuple[int, int]:
+    """A checkpoint's tensor bytes (``megatron_bridge.runtime.checkpoint``), in total and per rank.
+    Every parameter is stored once as the model's weight and once in the optimizer's fp32 main copy
+    and Adam moments, in the model's space, whatever the layout. The fully parallel save spreads
+    the writing over all ranks (a shard replicated over DP is written by one of its replicas,
+    balanced by size), so a rank writes about the total over the world size. Not counted:
+    torch.save's framing of each stored tensor slice (1.6 KB each on the tiny model) and the
+    non-tensor state (schedule, RNG states, metadata: kilobytes per rank)."""
+    total = spec.total_params * (weight_bytes + MAIN_PARAM_BYTES + ADAM_BYTES)
+    return total, math.ceil(total / world_size)
+
+
 # ---- estimates -----------------------------------------------------------------------------
 
 
@@ -266,6 +278,8 @@ class MemoryReport:
     resident_during_rollout: int
     offload_host: int
     reference: int = 0  # the reference model's weights (KL loss or KL in reward); it has no grads or optimizer
+    checkpoint_total: int = 0  # a checkpoint's bytes (checkpoint_bytes)
+    checkpoint_per_rank: int = 0
     terms: list[tuple[str, int, bool]] = field(default_factory=list)
 
     @property
@@ -313,6 +327,7 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
             reference=ref,
         ))
     worst = max(reports, key=lambda m: m.train_peak)
+    worst.checkpoint_total, worst.checkpoint_per_rank = checkpoint_bytes(spec, cl.world_size)
     worst.terms = [
         ("weights (bf16)", worst.static.weights, True),
         ("grads (fp32 main grads)", worst.static.grads, True),

@@ -101,6 +101,8 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
     print(f"  {'rollout share (gpu_memory_utilization)':<40} {gib_text(m.rollout_share):>12}")
     print(f"  {'training state kept during rollout':<40} {gib_text(m.resident_during_rollout):>12}  {_offloaded(v.layout)}")
     print(f"  {'host copy of offloaded state (pinned)':<40} {gib_text(m.offload_host):>12}")
+    print(f"checkpoint (bf16 weights, fp32 main params and Adam moments): {gib_text(m.checkpoint_total)} in "
+          f"total, about {gib_text(m.checkpoint_per_rank)} written per rank")
     fits = {None: "unknown (give --device-memory-gb)", True: "yes", False: "NO"}
     print(f"fits: training {fits[m.train_fits]}, rollout {fits[m.rollout_fits]}")
     p = v.mc2
@@ -137,6 +139,7 @@ def verdict_json(v: Verdict) -> dict:
         out["memory_bytes"]["kept_during_rollout"] = v.memory.resident_during_rollout
         out["memory_bytes"]["offload_host"] = v.memory.offload_host
         out["fits"] = v.memory.fits
+        out["checkpoint_bytes"] = {"total": v.memory.checkpoint_total, "per_rank": v.memory.checkpoint_per_rank}
     if v.mc2 is not None:
         out["mc2"] = {"method": v.mc2.method, "hccl_buffsize_mb": v.mc2.hccl_buffsize_mb}
     return out

@@ -146,10 +146,16 @@ def start_save(workers: WorkerGroup, directory: Path, step: int, state: dict, mo
     return tmp
 
 
-def finish_save(workers: WorkerGroup, tmp: Path, keep: int) -> Path:
+def finish_save(workers: WorkerGroup, tmp: Path, keep: int, hf_model_from: str | None = None) -> Path:
     """Wait for the workers' files, rename the checkpoint into place; checkpoints beyond the last
-    ``keep`` are removed (0: none)."""
+    ``keep`` are removed (0: none). With ``hf_model_from`` (the base model's directory: config and
+    tokenizer), the checkpoint's weights are exported into ``actor/huggingface/`` first, as
+    ``recipe.model_merger`` would (verl's ``checkpoint.save_contents`` with ``hf_model``)."""
+    from recipe.model_merger import merge  # it reads this module's layout
+
     workers.call("finish_save", phase="checkpoint save")
+    if hf_model_from is not None:
+        merge(tmp / ACTOR_DIR, tmp / ACTOR_DIR / HF_DIR, Path(hf_model_from), overwrite=True)
     final = tmp.parent / tmp.name[1 : -len(".tmp")]
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)

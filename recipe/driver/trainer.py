@@ -344,7 +344,9 @@ class Trainer:
     def _finish_save(self) -> Path | None:
         if self.pending_save is None:
             return None
-        done = checkpoint.finish_save(self.workers, self.pending_save, self.cfg.trainer.max_actor_ckpt_to_keep)
+        hf_model = "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents
+        done = checkpoint.finish_save(self.workers, self.pending_save, self.cfg.trainer.max_actor_ckpt_to_keep,
+                                      self.model_dir if hf_model else None)
         self.pending_save = None
         return done
 
