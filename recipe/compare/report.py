@@ -531,14 +531,14 @@ def _write_plots(directory: str, groups: dict[str, list[Run]], summary: Summary)
 # ---- report.md -------------------------------------------------------------------------------
 
 
-def _cell(value: object, spec: str = ".4g") -> str:
+def cell(value: object, spec: str = ".4g") -> str:
     if value is None:
         return MISSING
     text = format(value, spec) if isinstance(value, float) else str(value)
     return text.replace("|", "\\|")
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
             *("| " + " | ".join(row) + " |" for row in rows)]
 
@@ -579,10 +579,10 @@ def confounds(groups: dict[str, list[Run]]) -> list[str]:
     if not differing:
         return ["The variants differ only in what their names say (the algorithm and its loss, replay, "
                 "rollout correction)."]
-    rows = [[f"`{key}`", *(_cell(_shorten(" / ".join(sorted({str(v.get(key, MISSING)) for v in flat[variant]}))))
+    rows = [[f"`{key}`", *(cell(_shorten(" / ".join(sorted({str(v.get(key, MISSING)) for v in flat[variant]}))))
                            for variant in groups)] for key in differing]
     return ["**The variants also differ in these settings**: part of any difference between them may come "
-            "from these, not from what their names say.", "", *_table(["key", *groups], rows)]
+            "from these, not from what their names say.", "", *markdown_table(["key", *groups], rows)]
 
 
 def same_start(groups: dict[str, list[Run]]) -> list[str]:
@@ -624,8 +624,8 @@ def _config_differences(runs: Sequence[Run]) -> list[str]:
     keys = sorted({key for values in flat for key in values if len({v.get(key) for v in flat}) > 1})
     if not keys:
         return [f"The runs' {CONFIG_FILE} files agree on every key."]
-    rows = [[f"`{key}`", *(_cell(_shorten(values[key]) if key in values else None) for values in flat)] for key in keys]
-    return _table(["key", *(run.label(among_seeds=False) for run in runs)], rows)
+    rows = [[f"`{key}`", *(cell(_shorten(values[key]) if key in values else None) for values in flat)] for key in keys]
+    return markdown_table(["key", *(run.label(among_seeds=False) for run in runs)], rows)
 
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (  # header ({w}: the window), Stats field, number format
@@ -657,8 +657,8 @@ def _spread(values: Sequence[float]) -> str:
     if not values:
         return MISSING
     if len(values) == 1:
-        return _cell(values[0])
-    return f"{_cell(statistics.fmean(values))} ({_cell(min(values))} – {_cell(max(values))})"
+        return cell(values[0])
+    return f"{cell(statistics.fmean(values))} ({cell(min(values))} – {cell(max(values))})"
 
 
 def r3_table(summary: Summary, groups: dict[str, list[Run]]) -> list[str]:
@@ -668,33 +668,33 @@ def r3_table(summary: Summary, groups: dict[str, list[Run]]) -> list[str]:
     rows = []
     for variant in summary.variants:
         finals = [r.stats.score_last_window for r in variant.runs if r.stats.score_last_window is not None]
-        per_seed = ", ".join(f"{run.label(among_seeds=True)}: {_cell(s.stats.score_last_window, '.3g')}"
+        per_seed = ", ".join(f"{run.label(among_seeds=True)}: {cell(s.stats.score_last_window, '.3g')}"
                              for run, s in zip(groups[variant.variant], variant.runs))
         flagged = [r for r in variant.runs if r.unstable_step is not None]
         counts = {kind: sum(r.unstable_kind == kind for r in flagged) for kind in ("collapse", "decline", "no learning")}
         kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
         checked = sum(r.rule_checked for r in variant.runs)
-        rows.append([_cell(variant.variant), _spread(finals), per_seed,
+        rows.append([cell(variant.variant), _spread(finals), per_seed,
                      f"{len(flagged)} / {checked}" + (f" ({kinds})" if kinds else ""),
-                     _cell(statistics.median(r.unstable_step for r in flagged) if flagged else None, "g"),
-                     _cell(variant.stats.routing_drift_mean), _cell(variant.stats.k3_kl_mean)])
+                     cell(statistics.median(r.unstable_step for r in flagged) if flagged else None, "g"),
+                     cell(variant.stats.routing_drift_mean), cell(variant.stats.k3_kl_mean)])
     w = summary.rule.window
-    return _table(["variant", f"final score (last {w}): mean (min – max)", "per seed", "flagged / seeds",
+    return markdown_table(["variant", f"final score (last {w}): mean (min – max)", "per seed", "flagged / seeds",
                    "median flagged step", f"mean {DRIFT}", f"mean {K3_KL}"], rows)
 
 
 def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
     window = summary.rule.window
     runs = [run for group in groups.values() for run in group]
-    compared = _table(["variant", "seed", "run directory", "steps"],
-                      [[_cell(r.variant), _cell(r.seed), f"`{r.path}`", str(r.steps)] for r in runs])
+    compared = markdown_table(["variant", "seed", "run directory", "steps"],
+                      [[cell(r.variant), cell(r.seed), f"`{r.path}`", str(r.steps)] for r in runs])
     rows = []
     for variant in summary.variants:
         steps = sorted({r.steps for r in variant.runs})
-        rows.append([_cell(variant.variant), str(len(variant.runs)), " / ".join(map(str, steps)),
-                     *(_cell(getattr(variant.stats, name), spec) for _, name, spec in COLUMNS),
+        rows.append([cell(variant.variant), str(len(variant.runs)), " / ".join(map(str, steps)),
+                     *(cell(getattr(variant.stats, name), spec) for _, name, spec in COLUMNS),
                      _unstable_cell(variant, groups[variant.variant])])
-    table = _table(["variant", "runs", "steps", *(h.format(w=window) for h, _, _ in COLUMNS), "unstable"], rows)
+    table = markdown_table(["variant", "runs", "steps", *(h.format(w=window) for h, _, _ in COLUMNS), "unstable"], rows)
     titles = {plot.file: f"{plot.key}: {plot.label}" for plot in PLOTS}
     plots = [line for file, labels in summary.plots.items()
              for line in (f"### {titles.get(file, f'{DRIFT} per layer: {labels[0]}')}", "", f"![{file}]({file})", "")]

@@ -52,7 +52,7 @@ from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward,
 from recipe.driver.dispatch import Dispatch, Rollout
 from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
 from recipe.driver.signals import DriverSignals, Stopped
-from recipe.reward import OverlongConfig, RewardInput, RewardOutput, compute_rewards, make_reward_fn
+from recipe.reward import OverlongConfig, RewardOutput, make_reward_fn, score_responses
 from recipe.rollout.base import SamplingParams, request_seed
 from recipe.tracking.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
@@ -266,12 +266,8 @@ class Trainer:
                               max_tokens=self.cfg.data.max_response_length, seed=seed)
 
     def rewards(self, rollout: Rollout) -> RewardOutput:
-        inputs = [
-            RewardInput(data_source=s.data_source, response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                        ground_truth=s.ground_truth, extra_info=s.extra_info, response_length=len(ids), index=i)
-            for i, (s, ids) in enumerate(zip(rollout.samples, rollout.response_ids))
-        ]
-        return compute_rewards(inputs, self.reward_fn, self.cfg.data.max_response_length, self.overlong)
+        return score_responses(rollout.samples, rollout.response_ids, self.tokenizer, self.reward_fn,
+                               self.cfg.data.max_response_length, self.overlong)
 
     def correct_for_rollout(self, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
         """With ``rollout.calculate_log_probs``: the train-rollout gap of the sampled tokens'

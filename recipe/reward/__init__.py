@@ -8,8 +8,8 @@ trainer calls on the driver.
 Every error is a ``RewardError`` (a ValueError) whose message names the sample or setting and the fix.
 """
 
-from .batch import RewardFn, RewardInput, RewardOutput, compute_rewards, make_reward_fn
-from .dispatch import default_compute_score
+from .batch import RewardFn, RewardInput, RewardOutput, compute_rewards, make_reward_fn, score_responses
+from .dispatch import answer_extractor, default_compute_score
 from .errors import RewardConfigError, RewardError, RewardFunctionError
 from .overlong import OverlongConfig, overlong_penalty
 from .user import load_reward_function
@@ -22,9 +22,11 @@ __all__ = [
     "RewardFunctionError",
     "RewardInput",
     "RewardOutput",
+    "answer_extractor",
     "compute_rewards",
     "default_compute_score",
     "load_reward_function",
     "make_reward_fn",
     "overlong_penalty",
+    "score_responses",
 ]

@@ -4,7 +4,7 @@ overlong penalty (verl's DAPO reward manager, without the tokenizer: responses a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .dispatch import default_compute_score
@@ -114,6 +114,18 @@ def _score_sample(fn: RewardFn, item: RewardInput, require_ground_truth: bool) -
 def _by_key(extras: list[dict]) -> dict[str, list]:
     keys = dict.fromkeys(key for extra in extras for key in extra)  # first-seen order
     return {key: [extra.get(key) for extra in extras] for key in keys}
+
+
+def score_responses(samples: Sequence, response_ids: Sequence[Sequence[int]], tokenizer, reward_fn: RewardFn,
+                    max_response_length: int, overlong: OverlongConfig) -> RewardOutput:
+    """``compute_rewards`` of generated token ids, decoded without special tokens; ``samples[i]``
+    (a ``recipe.data.dataset.PromptSample``) is the prompt row of response ``i``."""
+    inputs = [
+        RewardInput(data_source=s.data_source, response_text=tokenizer.decode(ids, skip_special_tokens=True),
+                    ground_truth=s.ground_truth, extra_info=s.extra_info, response_length=len(ids), index=i)
+        for i, (s, ids) in enumerate(zip(samples, response_ids, strict=True))
+    ]
+    return compute_rewards(inputs, reward_fn, max_response_length, overlong)
 
 
 def compute_rewards(

@@ -8,6 +8,7 @@ from . import boxed, gsm8k, math_dapo
 from .errors import RewardConfigError, RewardError
 
 Scorer = Callable[[str, str], "float | dict"]  # (response, ground truth) -> score or {"score": ..., ...}
+Extractor = Callable[[str], "str | None"]  # response -> its final answer as the scorer compares it, or None
 
 DAPO_SOURCES = ("math_dapo",)
 DAPO_PREFIXES = ("aime",)  # aime_2024, aime25, ... (DAPO's evaluation sets)
@@ -28,6 +29,29 @@ def builtin_scorer(data_source: str) -> Scorer:
         "write a reward function fn(data_source, solution_str, ground_truth, extra_info) and set "
         "custom_reward_function.path=/path/to/reward.py custom_reward_function.name=<function name>"
     )
+
+
+def _boxed_answer(solution_str: str) -> str | None:
+    answer = boxed.last_boxed(solution_str)
+    return None if answer is None else boxed.normalize_math_answer(answer)
+
+
+# what each built-in scorer reads from a response, in the form it compares with the ground truth
+_EXTRACTORS: dict[Scorer, Extractor] = {
+    math_dapo.compute_score: math_dapo.extract_answer,
+    gsm8k.compute_score: gsm8k.extract_solution,
+    boxed.compute_score: _boxed_answer,
+}
+
+
+def answer_extractor(data_source: str) -> Extractor | None:
+    """The final-answer extraction of the built-in reward for ``data_source`` (two responses with the
+    same answer get the same score: majority votes count these); None when no built-in reward
+    scores ``data_source``."""
+    try:
+        return _EXTRACTORS[builtin_scorer(data_source)]
+    except RewardConfigError:
+        return None
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None):

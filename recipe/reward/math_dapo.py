@@ -66,11 +66,16 @@ def normalize_final_answer(answer: str) -> str:
     return answer.strip()
 
 
+def extract_answer(solution_str: str) -> str | None:
+    """The normalised answer of the response's last ``Answer:`` line, or None when it has none."""
+    answers = _ANSWER_LINE.findall(solution_str[-TAIL_CHARS:])
+    return normalize_final_answer(answers[-1]) if answers else None
+
+
 def compute_score(solution_str: str, ground_truth: str) -> dict:
     """``{"score": +1.0 or -1.0, "acc": bool, "pred": normalised answer or NO_ANSWER}``."""
-    answers = _ANSWER_LINE.findall(solution_str[-TAIL_CHARS:])
-    if not answers:
+    pred = extract_answer(solution_str)
+    if pred is None:
         return {"score": -1.0, "acc": False, "pred": NO_ANSWER}
-    pred = normalize_final_answer(answers[-1])
     correct = pred == normalize_final_answer(ground_truth)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
