@@ -140,7 +140,8 @@ def test_bad_input_is_refused_by_name(exported, tmp_path, capsys):
     shutil.copytree(tmp / "global_step_1", broken)
     shard = sorted((broken / "actor").glob("*.distcp"))[0]
     shard.unlink()
-    assert f"checkpoint {broken / 'actor'} is incomplete: missing {shard.name}" in refused(broken, tmp_path / "b")
+    assert (f"checkpoint {broken / 'actor'} is incomplete or damaged: {shard.name} is missing"
+            in refused(broken, tmp_path / "b"))
     assert not (tmp_path / "b").exists() and not (tmp_path / ".b.tmp").exists()
     other = tmp_path / "other_model"  # the same names, wider experts
     shutil.copytree(tmp / "global_step_1" / "actor" / "huggingface", other)
