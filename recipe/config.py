@@ -181,6 +181,9 @@ class RefConfig:
 @dataclass(frozen=True)
 class ActorRolloutRefConfig:
     model: ModelConfig
+    # verl's switch: true, the rollout engine shares the training devices (colocated); false, it has
+    # its own pool (actor_rollout_ref.rollout.nnodes / n_gpus_per_node), for the asynchronous modes
+    hybrid_engine: bool = True
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -268,6 +271,15 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class AsyncTrainingConfig:
+    """How generation and training overlap (docs/async.md). ``sync``: generate, then train, on the
+    same devices. ``one_step_off``: the next step's batch is generated on the rollout's own devices,
+    with weights one update old, while this step trains (verl's one-step-off-policy recipe)."""
+
+    mode: str = "sync"
+
+
+@dataclass(frozen=True)
 class RecipeConfig:
     data: DataConfig
     actor_rollout_ref: ActorRolloutRefConfig
@@ -278,6 +290,7 @@ class RecipeConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ignored: tuple[str, ...] = ()  # verl keys given that have no effect here, with the reason (not a YAML key)
 
     @property
@@ -335,6 +348,16 @@ def save_contents_rule(v: list[str]) -> str | None:
         return (f"lacks {', '.join(missing)}: a checkpoint here always holds {', '.join(CHECKPOINT_CONTENTS)} "
                 f"(a resume needs all of them); list them, and hf_model for a Hugging Face copy")
     return one_of((*CHECKPOINT_CONTENTS, "hf_model"))(v)
+
+
+ASYNC_MODES = ("sync", "one_step_off")
+
+
+def async_mode_rule(v: str) -> str | None:
+    if v == "fully_async":
+        return ("verl's fully asynchronous mode (streaming rollout, partial rollouts, a staleness threshold) is not "
+                "implemented yet; use one_step_off or sync")
+    return one_of(ASYNC_MODES)(v)
 
 
 def freq_rule(v: int) -> str | None:
@@ -436,6 +459,7 @@ RULES: dict[str, Rule] = {
     "trainer.routing_drift_rows": POSITIVE,
     "trainer.logger": one_of(LOGGERS),
     f"{_ACTOR}.checkpoint.save_contents": save_contents_rule,
+    "async_training.mode": async_mode_rule,
 }
 
 
@@ -546,7 +570,9 @@ def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
     if resolved != plain:
         cfg = _build(resolved, name, tuple(verl.ignored))
     cfg = _log_prob_passes_follow_actor(_resolve_rollout_engine(cfg, name))
-    problems = check_equal(verl.equal_checks, config_to_dict(cfg)) + _cross_checks(cfg) + _layout_problems(cfg, name)
+    cfg = _rollout_correction_when_async(cfg, verl.data)
+    problems = (check_equal(verl.equal_checks, config_to_dict(cfg)) + _cross_checks(cfg) + _pool_problems(cfg)
+                + _layout_problems(cfg, name))
     if problems:
         raise ConfigError(f"{name}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
@@ -769,6 +795,22 @@ def _log_prob_passes_follow_actor(cfg: RecipeConfig) -> RecipeConfig:
     return dataclasses.replace(cfg, actor_rollout_ref=arr)
 
 
+# In the asynchronous modes the samples come from an older policy than the one that scores them:
+# verl's decoupled correction, token-level IS weights truncated at rollout_is_threshold (2.0 by
+# default), is on unless the recipe sets rollout_is or rollout_rs itself (null turns it off).
+ASYNC_ROLLOUT_IS = "token"
+
+
+def _rollout_correction_when_async(cfg: RecipeConfig, given: Mapping[str, Any]) -> RecipeConfig:
+    section = given.get("algorithm") or {}
+    section = section.get("rollout_correction") if isinstance(section, Mapping) else None
+    chosen = isinstance(section, Mapping) and ({"rollout_is", "rollout_rs"} & set(section))
+    if cfg.async_training.mode == "sync" or chosen:
+        return cfg
+    rc = dataclasses.replace(cfg.algorithm.rollout_correction, rollout_is=ASYNC_ROLLOUT_IS)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, rollout_correction=rc))
+
+
 def _first_set(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -857,6 +899,42 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
             f"({data.max_response_length})) when the buffer is enabled: the penalty ramps over the last len tokens; "
             "lower it or set reward_model.overlong_buffer.enable=false"
         )
+    return out
+
+
+def _pool_problems(cfg: RecipeConfig) -> list[str]:
+    """Where the rollout runs (``hybrid_engine``, its own pool) against ``async_training.mode``."""
+    layout, arr, mode = cfg.layout, cfg.actor_rollout_ref, cfg.async_training.mode
+    pool, cluster = layout.rollout, layout.cluster
+    given = f"{_ROLLOUT}.nnodes / n_gpus_per_node"
+    if arr.hybrid_engine:
+        if mode != "sync":
+            return [f"async_training.mode={mode} generates on the rollout's own devices: set "
+                    f"actor_rollout_ref.hybrid_engine=false and {given}"]
+        if layout.separate_rollout and (pool.nnodes or 1, pool.devices_per_node) != (cluster.nnodes,
+                                                                                    cluster.devices_per_node):
+            return [f"{given} = {pool.nnodes or 1} / {pool.devices_per_node} differ from trainer.nnodes / "
+                    f"n_gpus_per_node = {cluster.nnodes} / {cluster.devices_per_node}: with "
+                    "actor_rollout_ref.hybrid_engine=true the rollout is colocated on the training devices; leave "
+                    "them out, or set hybrid_engine=false with async_training.mode=one_step_off"]
+        return []
+    out = []
+    if mode == "sync":
+        out.append("actor_rollout_ref.hybrid_engine=false (a rollout pool of its own) runs with "
+                   "async_training.mode=one_step_off; set that, or hybrid_engine=true")
+    if not layout.separate_rollout:
+        out.append(f"actor_rollout_ref.hybrid_engine=false needs the rollout's own devices: set "
+                   f"{_ROLLOUT}.n_gpus_per_node (and nnodes, default 1)")
+    if not ENGINES[arr.rollout.name].separate_pool:
+        runs = ", ".join(n for n, e in ENGINES.items() if e.separate_pool)
+        out.append(f"{_ROLLOUT}.name={arr.rollout.name} runs inside the training ranks' torch.distributed world; "
+                   f"a rollout pool of its own runs: {runs}")
+    if cfg.algorithm.filter_groups.enable:
+        out.append("algorithm.filter_groups (DAPO dynamic sampling) is not implemented with "
+                   "async_training.mode=one_step_off: each step's batch is one generation batch made a step ahead")
+    if arr.actor.megatron.router_replay.mode == "R3":
+        out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 with async_training.mode=one_step_off would replay "
+                   "routing chosen by the previous policy version, which is not implemented; use R2 or disabled")
     return out
 
 

@@ -44,6 +44,9 @@ RENAMED: dict[str, str] = {
     "reward.reward_manager.name": "reward_model.reward_manager",  # verl's newer spelling
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",
+    # the one-step-off and fully async recipes' spelling of the rollout's own pool
+    "rollout.nnodes": f"{ROLLOUT}.nnodes",
+    "rollout.n_gpus_per_node": f"{ROLLOUT}.n_gpus_per_node",
 }
 
 VLLM_ARGS = ("enable_chunked_prefill", "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching",
@@ -61,8 +64,6 @@ EQUAL: dict[str, tuple[str, str]] = {
     "reward.reward_kwargs.max_resp_len": ("data.max_response_length", "the overlong buffer counts from data.max_response_length"),
     f"{ACTOR}.megatron.dtype": (f"{ARR}.model.dtype", "actor and rollout share actor_rollout_ref.model.dtype"),
     f"{REF}.megatron.dtype": (f"{ARR}.model.dtype", "actor and rollout share actor_rollout_ref.model.dtype"),
-    f"{ROLLOUT}.n_gpus_per_node": ("trainer.n_gpus_per_node", "the rollout is colocated on the training devices"),
-    f"{ROLLOUT}.nnodes": ("trainer.nnodes", "the rollout is colocated on the training nodes"),
 }
 
 ONLY: dict[str, tuple[tuple, str]] = {
@@ -70,7 +71,6 @@ ONLY: dict[str, tuple[tuple, str]] = {
     f"{ACTOR}.strategy": (("megatron",), "the actor is Megatron-Core"),
     f"{REF}.strategy": (("megatron",), "the reference model is Megatron-Core"),
     "model_engine": (("megatron",), "the actor is Megatron-Core"),
-    f"{ARR}.hybrid_engine": ((True,), "the rollout engine is colocated with the trainer"),
     f"{ROLLOUT}.mode": (("async", "sync"), "generation is colocated and synchronous"),
     f"{ROLLOUT}.free_cache_engine": ((True,), "the engine always gives its memory back between rollouts"),
     f"{ROLLOUT}.do_sample": ((True,), "training rollouts sample (greedy only for validation: val_kwargs)"),
@@ -152,8 +152,16 @@ FSDP_ONLY: dict[str, str] = {
 }
 
 UNSUPPORTED: dict[str, str] = {
-    "async_training.": "verl's fully asynchronous trainer; this package trains synchronously, colocated",
-    "rollout.": "verl's fully asynchronous trainer's separate rollout cluster; the rollout here is colocated",
+    **{f"async_training.{k}": f"a setting of verl's fully asynchronous trainer, not implemented here ({why}); "
+                              "async_training.mode=one_step_off always trains on the batch generated one step ahead"
+       for k, why in (("staleness_threshold", "samples are at most one version old"),
+                      ("trigger_parameter_sync_step", "weights are synced after every update"),
+                      ("require_batches", "one batch per step"),
+                      ("partial_rollout", "no generation is interrupted by a weight sync"),
+                      ("use_rollout_log_probs", "old log-probs are recomputed by the trainer, decoupled PPO"),
+                      ("compute_prox_log_prob", "old log-probs are recomputed by the trainer, decoupled PPO"))},
+    "rollout.": "a setting of verl's fully asynchronous trainer's rollouter (only rollout.nnodes and "
+                "rollout.n_gpus_per_node apply here)",
     f"{ARR}.model.override_config.": "HF config overrides: edit the checkpoint's config.json instead",
 }
 

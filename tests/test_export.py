@@ -178,6 +178,10 @@ def test_routing_owners():
     assert Routing(8, 128).destinations("model.layers.0.mlp.experts.5.gate_proj.weight") == tuple(range(8))
     with pytest.raises(ValueError, match="must divide the number of experts"):
         Routing(world_size=6, num_experts=128, expert_parallel=6)
+    # a rollout pool of its own: rank 0 takes the whole model and broadcasts it
+    to_rank_0 = Routing(8, 128, receivers=1)
+    assert to_rank_0.destinations("model.layers.3.mlp.experts.33.up_proj.weight") == (0,)
+    assert to_rank_0.destinations("model.embed_tokens.weight") == (0,)
 
 
 def test_checkpoint_order():

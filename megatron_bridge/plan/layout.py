@@ -8,7 +8,10 @@ full recipe unchanged and a verl user finds the same keys::
       actor:
         megatron: {tensor_model_parallel_size, pipeline_model_parallel_size, ...}
       rollout: {tensor_model_parallel_size, data_parallel_size, expert_parallel_size,
-                gpu_memory_utilization}
+                gpu_memory_utilization, nnodes, n_gpus_per_node}
+
+The rollout's ``nnodes`` / ``n_gpus_per_node`` give it devices of its own (verl's separate rollout
+pool); left out, the rollout runs on the training devices.
 
 Unknown keys are errors that name the nearest known key.
 """
@@ -63,8 +66,11 @@ class RolloutParallel:
     parallel on, EP = TP x DP; off, experts are tensor-sharded over TP x DP."""
 
     tp: int = 1
-    dp: int | None = None  # None: world size / TP (colocated: every training device is a rollout rank), as verl derives it
+    dp: int | None = None  # None: the rollout's device count / TP, as verl derives it
     ep: int = 1
+    # the rollout's own pool (verl's actor_rollout_ref.hybrid_engine=false); None: the training devices
+    nnodes: int | None = None
+    devices_per_node: int | None = None
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 1024  # sequences per engine step; sizes the MC2 buffer
 
@@ -90,9 +96,20 @@ class Layout:
     cluster: Cluster = field(default_factory=Cluster)
     _rollout_dp_derived: bool = field(default=False, repr=False, compare=False)
 
+    @property
+    def separate_rollout(self) -> bool:
+        """The rollout runs on devices of its own, not on the training devices."""
+        return self.rollout.devices_per_node is not None
+
+    @property
+    def rollout_world_size(self) -> int:
+        """The rollout's devices: its own pool, or the training devices (colocated)."""
+        r = self.rollout
+        return (r.nnodes or 1) * r.devices_per_node if self.separate_rollout else self.cluster.world_size
+
     def __post_init__(self) -> None:
-        if self.rollout.dp is None:  # derived from the world size; a TP that does not divide it fails validation
-            dp = max(1, self.cluster.world_size // self.rollout.tp)
+        if self.rollout.dp is None:  # derived from the device count; a TP that does not divide it fails validation
+            dp = max(1, self.rollout_world_size // self.rollout.tp)
             object.__setattr__(self, "rollout", replace(self.rollout, dp=dp))
             object.__setattr__(self, "_rollout_dp_derived", True)
 
@@ -131,6 +148,8 @@ _ROLLOUT_KEYS = {
     "expert_parallel_size": "ep",
     "gpu_memory_utilization": "gpu_memory_utilization",
     "max_num_seqs": "max_num_seqs",
+    "nnodes": "nnodes",
+    "n_gpus_per_node": "devices_per_node",
 }
 _CLUSTER_KEYS = {
     "nnodes": "nnodes",

@@ -343,7 +343,7 @@ def rollout_tp_ok(spec: ModelSpec, tp: int) -> bool:
 
 @rule
 def rollout(c: Context):
-    s, r, w = c.spec, c.layout.rollout, c.layout.cluster.world_size
+    s, r, w = c.spec, c.layout.rollout, c.layout.rollout_world_size
     valid_tp = [t for t in divisors(w) if rollout_tp_ok(s, t)]
     if s.num_attention_heads % r.tp:
         yield Violation(
@@ -366,7 +366,8 @@ def rollout(c: Context):
     if r.tp * r.dp != w:
         yield Violation(
             "rollout.tp_dp_equals_world",
-            f"colocated rollout: rollout TP*DP = {r.tp}*{r.dp} = {r.tp * r.dp} must equal the world size {w}; "
+            f"rollout TP*DP = {r.tp}*{r.dp} = {r.tp * r.dp} must equal the rollout's device count {w} "
+            f"({'its own pool' if c.layout.separate_rollout else 'colocated: the training world size'}); "
             f"with rollout TP={r.tp} use data_parallel_size={w // r.tp if w % r.tp == 0 else 'n/a'}",
         )
     if r.ep not in (1, r.tp * r.dp):

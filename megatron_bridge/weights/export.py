@@ -130,6 +130,9 @@ class Routing:
     world_size: int
     num_experts: int
     expert_parallel: int = 1  # 1: every rank receives every expert
+    # the training ranks that receive tensors, the first ones; None: all. A rollout pool of its own
+    # takes the whole model from rank 0 (recipe.rollout.broadcast): receivers=1
+    receivers: int | None = None
 
     def __post_init__(self):
         ep = self.expert_parallel
@@ -140,11 +143,12 @@ class Routing:
             )
 
     def destinations(self, name: str) -> tuple[int, ...]:
+        ranks = range(self.world_size if self.receivers is None else self.receivers)
         expert = _EXPERT_ID.search(name)
         if expert is None or self.expert_parallel == 1:
-            return tuple(range(self.world_size))
+            return tuple(ranks)
         owner = int(expert[1]) // (self.num_experts // self.expert_parallel)
-        return tuple(r for r in range(self.world_size) if r % self.expert_parallel == owner)
+        return tuple(r for r in ranks if r % self.expert_parallel == owner)
 
 
 @dataclass

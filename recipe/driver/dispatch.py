@@ -2,7 +2,7 @@
 batch's row order.
 
 Generation is split over the rollout's DP ranks (every rank of a rollout TP group gets its group's
-share); the Megatron passes over the training DP ranks (``dp_shares`` of the batch contract, every
+share), on the training workers (colocated) or on the rollout pool's own workers; the Megatron passes over the training DP ranks (``dp_shares`` of the batch contract, every
 rank of a DP replica the same rows), and the first rank of each replica answers for it. Routing
 records of a pass come back per rank and are merged into one table of the batch's rows.
 """
@@ -34,35 +34,63 @@ class Rollout:
     log_probs: list[list[float]]  # the engine's, per response token
     finish_reasons: list[str]
     routed_experts: list[torch.Tensor] | None = None  # per row, when the engine reports routing
+    gen_seconds: float = 0.0  # generation as the slowest rollout rank measured it
+    policy_version: int = 0  # the updates the engines' weights had seen: every row was sampled under it
+
+
+@dataclass
+class PendingRollout:
+    """A generation sent to the rollout ranks and not yet collected (``Dispatch.collect``)."""
+
+    rows: list[PromptSample]
+    n: int  # responses per prompt
+    refs: list
 
 
 class Dispatch:
-    def __init__(self, workers: WorkerGroup, infos: list[RankInfo], layout: Layout, spec: ModelSpec):
+    def __init__(self, workers: WorkerGroup, infos: list[RankInfo], layout: Layout, spec: ModelSpec,
+                 rollout: WorkerGroup | None = None):
+        """``rollout``: the rollout pool's own workers, if it has them (else the training workers generate)."""
         self.workers, self.infos, self.spec = workers, infos, spec
+        self.rollout = rollout
+        self.generators = rollout or workers
         self.dp_size = infos[0].dp_size
-        self.rollout_dp = layout.rollout.dp
+        self.rollout_dp, self.rollout_tp = layout.rollout.dp, layout.rollout.tp
         self.sequence_parallel = layout.train.sequence_parallel
 
     def generate(self, prompts: list[PromptSample], n: int, params: SamplingParams, first_row: int = 0) -> Rollout:
         """``n`` responses per prompt. Rows are split into contiguous shares, one per rollout DP
         rank. Each row samples from its own seed, numbered from ``first_row`` (a step's later
         generation batches draw afresh)."""
+        return self.collect(self.start_generation(prompts, n, params, first_row))
+
+    def start_generation(self, prompts: list[PromptSample], n: int, params: SamplingParams,
+                         first_row: int = 0) -> PendingRollout:
+        """``generate`` without waiting for it (a rollout pool of its own generates while the trainer works)."""
         rows = [s for s in prompts for _ in range(n)]
         shares = _split(len(rows), self.rollout_dp)
         args = []
-        for info in self.infos:
-            lo, hi = shares[info.rollout_dp_rank]
+        for rank in range(self.generators.world_size):
+            lo, hi = shares[rank // self.rollout_tp]
             args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(first_row + lo, first_row + hi)), params))
-        outputs = self.workers.call("generate", args, "generation")
-        response_ids, log_probs, finish, routed = [], [], [], []
-        for info, out in zip(self.infos, outputs):
-            if info.first_of_rollout_group:
+        return PendingRollout(rows, n, self.generators.submit("generate", args))
+
+    def collect(self, pending: PendingRollout) -> Rollout:
+        """The generation's samples, once every rollout rank has answered (the first rank of each
+        rollout TP group answers for it)."""
+        outputs = self.generators.get(pending.refs, "generation")
+        response_ids, log_probs, finish, routed, seconds = [], [], [], [], 0.0
+        for rank, (out, took) in enumerate(outputs):
+            seconds = max(seconds, took)
+            if rank % self.rollout_tp == 0:
                 response_ids += out.token_ids
                 log_probs += out.log_probs
                 finish += out.finish_reasons
                 routed += out.routed_experts or []
-        groups = torch.arange(len(prompts)).repeat_interleave(n)
-        return Rollout(rows, groups, response_ids, log_probs, finish, routed if len(routed) == len(rows) else None)
+        rows = pending.rows
+        groups = torch.arange(len(rows) // pending.n).repeat_interleave(pending.n)
+        return Rollout(rows, groups, response_ids, log_probs, finish, routed if len(routed) == len(rows) else None,
+                       seconds)
 
     def log_probs(self, batch: dict[str, torch.Tensor], shares: list[torch.Tensor], model: str,
                   replay: bool = False) -> tuple[torch.Tensor, RoutingRecord | None]:
@@ -113,8 +141,25 @@ class Dispatch:
                              self.spec.num_layers, self.spec.moe_topk)
 
     def sync_weights(self) -> dict[str, float]:
-        """Every engine gets its actor's new weights; rank 0's timing and stream counts."""
-        return self.workers.call("sync_weights", phase="weight sync")[0]
+        """Every engine gets the actor's new weights; rank 0's timing and stream counts. A rollout
+        pool of its own receives them together with the training ranks' send, and is waited for
+        first: a rollout rank that died names itself instead of leaving the send waiting for it."""
+        if self.rollout is None:
+            return self.workers.call("sync_weights", phase="weight sync")[0]
+        sending = self.workers.submit("sync_weights")
+        self.rollout.call("sync_weights", phase="weight sync")
+        return self.workers.get(sending, "weight sync")[0]
+
+    def connect_rollout(self) -> None:
+        """Open the weight group of training rank 0 and the rollout pool's ranks (both ends at once:
+        joining waits for every member), and give the engines the actor's weights."""
+        trainer = self.workers.workers[0]
+        plan, (host, port) = self.workers.get([trainer.transfer_plan.remote(), trainer.address.remote()], "start-up")
+        size = 1 + self.rollout.world_size
+        joining = [trainer.join_weights.remote(host, port, size)]
+        self.rollout.get([w.join_weights.remote(host, port, size, plan) for w in self.rollout.workers], "start-up")
+        self.workers.get(joining, "start-up")
+        self.sync_weights()
 
     def memory(self) -> dict[str, float]:
         """The busiest worker's peak memory, and what offload moved."""

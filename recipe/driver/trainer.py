@@ -7,6 +7,9 @@ One step (``Trainer.train_step``)::
             ─▶ old log-probs (actor) [─▶ ref log-probs] ─▶ update (mini-batches x epochs) ─▶ weight sync
             ─▶ metrics [─▶ validation] [─▶ checkpoint]
 
+With ``async_training.mode=one_step_off`` the rollout has its own workers and the next step's
+generation runs during this step's update (``one_step_off``); the step reads the same.
+
 Beside it in ``recipe.driver``: ``dispatch`` (every call to the workers: shares out, results
 back), ``dynamic_sampling`` (the step's samples, with DAPO's group filter), ``checkpoint``
 (checkpoints, resume, provenance), ``advantage`` and ``routing`` (the step's ``moe/`` metrics),
@@ -49,14 +52,15 @@ from recipe.data.dataset import BatchSampler, PromptDataset, val_batches
 from recipe.data.tiny_task import resolve_builtin
 from recipe.driver import checkpoint, dynamic_sampling
 from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
-from recipe.driver.dispatch import Dispatch, Rollout
+from recipe.driver.dispatch import Dispatch, PendingRollout, Rollout
+from recipe.driver.one_step_off import OneStepOff
 from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
 from recipe.driver.signals import DriverSignals, Stopped
 from recipe.reward import OverlongConfig, RewardOutput, make_reward_fn, score_responses
 from recipe.rollout.base import SamplingParams, request_seed
 from recipe.tracking.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
-from recipe.workers.group import WorkerGroup, init_ray, shutdown_ray
+from recipe.workers.group import WorkerGroup, init_ray, pools, shutdown_ray
 
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
 
@@ -96,6 +100,8 @@ class Trainer:
         self.started = False  # start() is done: self.step is the resumed step
         self.started_ray = False  # by start(); train() shuts it down
         self.workers: WorkerGroup | None = None
+        self.rollout_workers: WorkerGroup | None = None  # a rollout pool of its own
+        self.ahead: OneStepOff | None = None  # one_step_off: the next step's generation
         self.pending_save: Path | None = None  # a background save's temporary directory
 
     # --- set-up ------------------------------------------------------------------------------
@@ -115,11 +121,19 @@ class Trainer:
         except OSError as e:
             raise ConfigError(f"trainer.default_local_dir={self.dir}: cannot write the run directory "
                               f"({e.strerror}: {e.filename}); give a directory this user can write") from e
-        self.started_ray = init_ray(cfg.layout.cluster.device, cfg.layout.cluster.world_size)
+        training, rollout = pools(cfg.layout)
+        ranks = training.size + (rollout.size if rollout else 0)
+        device = cfg.layout.cluster.device
+        self.started_ray = init_ray(device, ranks)
         self.signals.install()  # ray.init replaced the handlers
-        self.workers = WorkerGroup(cfg.layout)
+        # on the CPU every pool's ranks share the one machine's cores
+        per_node = training.devices_per_node + (rollout.devices_per_node if rollout else 0)
+        self.workers = WorkerGroup(training, device, per_node)
+        if rollout is not None:
+            self.rollout_workers = WorkerGroup(rollout, device, per_node)
+            starting = self.rollout_workers.submit("setup", [(cfg, self.model_dir)] * rollout.size)
         infos = self.workers.setup(cfg, self.model_dir)
-        self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec)
+        self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec, self.rollout_workers)
         self.dp_size = self.dispatch.dp_size
         nodes: dict[str, list[int]] = {}
         for info in infos:
@@ -134,6 +148,10 @@ class Trainer:
             self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
             tqdm.write(f"resumed from {resume} (step {self.step})" + ("" if rng else
                        "; written under another layout: weights, optimizer and schedule resharded, RNG states as seeded"))
+        if self.rollout_workers is not None:  # the engines get the actor's weights, resumed or initial
+            self.rollout_workers.get(starting, "start-up")
+            self.dispatch.connect_rollout()
+            self.ahead = OneStepOff(self.dispatch, self.total_steps)
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
         loggers = t.logger if on_terminal() or "console" in t.logger else [*t.logger, "console"]
         self.tracking = Tracking(str(self.dir), loggers, t.project_name, t.experiment_name, config_to_dict(cfg),
@@ -209,6 +227,9 @@ class Trainer:
             if t.routing_drift_freq > 0 and step % t.routing_drift_freq == 0:
                 with timer("routing_drift"):
                     drift = self.dispatch.sample_routing(batch, t.routing_drift_rows)
+            if self.ahead is not None:
+                with timer("wait_rollout"):  # one_step_off: the next batch is done before its engines get new weights
+                    self.ahead.finish()
             with timer("reshard"):
                 sync = self.dispatch.sync_weights()
         metrics = data_metrics(
@@ -230,6 +251,8 @@ class Trainer:
         metrics.update(mismatch)
         metrics.update(routing_metrics(old, valid, self.spec.num_experts, engine_routing, drift, replayed))
         metrics.update(timer.timings)
+        if self.ahead is not None:
+            metrics.update(self.ahead.metrics(step, rollout))
         tokens = int(batch[PROMPT_LENGTHS].sum() + response_lengths.sum())
         metrics.update(throughput_metrics(tokens, timer.timings["timing_s/step"], self.workers.world_size))
         metrics.update(self.dispatch.memory())
@@ -244,14 +267,23 @@ class Trainer:
     def sample(self, step: int) -> tuple[Rollout, RewardOutput, int]:
         """The step's rollout and rewards, and how many generation batches it took (``dynamic_sampling``)."""
         cfg = self.cfg
-        n, params = cfg.actor_rollout_ref.rollout.n, self.sampling_params(step)
 
         def generate(index: int) -> tuple[Rollout, RewardOutput]:
-            prompts = [self.train_data[i] for i in self.sampler.next_batch()]
-            rollout = self.dispatch.generate(prompts, n, params, first_row=index * len(prompts) * n)
+            if self.ahead is not None:  # one_step_off: made during the step before (one generation batch per step)
+                rollout = self.ahead.batch(step, self.start_generation)
+            else:
+                rollout = self.dispatch.collect(self.start_generation(step, index))
             return rollout, self.rewards(rollout)
 
-        return dynamic_sampling.sample(generate, n, cfg.data.train_batch_size, cfg.algorithm.filter_groups, step)
+        return dynamic_sampling.sample(generate, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size,
+                                       cfg.algorithm.filter_groups, step)
+
+    def start_generation(self, step: int, index: int = 0) -> PendingRollout:
+        """The sampler's next prompts sent to the rollout ranks as ``step``'s ``index``-th generation
+        batch (its seeds), without waiting."""
+        n = self.cfg.actor_rollout_ref.rollout.n
+        prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+        return self.dispatch.start_generation(prompts, n, self.sampling_params(step), first_row=index * len(prompts) * n)
 
     def sampling_params(self, step: int, validation: bool = False) -> SamplingParams:
         r = self.cfg.actor_rollout_ref.rollout
@@ -362,9 +394,10 @@ class Trainer:
         return f"{done}; {checkpoint.rerun_note(self.cfg.trainer, self.ckpt_dir)}"
 
     def close(self) -> None:
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
+        for group in (self.workers, self.rollout_workers):
+            if group is not None:
+                group.close()
+        self.workers = self.rollout_workers = None
 
 
 def run_length(total_training_steps: int | None, total_epochs: int | None, steps_per_epoch: int) -> int:

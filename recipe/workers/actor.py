@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 class ActorWorker:
     def __init__(self, cfg: RecipeConfig, rank: int, world_size: int, model_dir: str, dtype: torch.dtype,
-                 platform: str, rollout_expert_parallel: int, make_room: Callable[[], None]):
+                 platform: str, rollout_expert_parallel: int, make_room: Callable[[], None],
+                 weight_receivers: int | None = None):
         """Build and load the shards (torch.distributed must be up). The weights go to the rollout
-        rank of each rank, experts split over ``rollout_expert_parallel`` of them (1: all to each)."""
+        rank of each rank, experts split over ``rollout_expert_parallel`` of them (1: all to each);
+        with ``weight_receivers`` only to the first that many ranks (``export.Routing``)."""
         from megatron_bridge.moe.routing import RoutingTap
         from megatron_bridge.plan.model_spec import load_model_spec
         from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
@@ -57,7 +59,7 @@ class ActorWorker:
         self.actor.forward_context = self.routing_tap.micro_batch
         self.loss_config = cfg.actor_loss
         self.exporter = WeightExporter(
-            self.actor.chunks, spec, Routing(world_size, spec.num_experts, rollout_expert_parallel),
+            self.actor.chunks, spec, Routing(world_size, spec.num_experts, rollout_expert_parallel, weight_receivers),
             bucket_mb=arr.rollout.update_weights_bucket_megabytes, dtype=dtype,
         )
 

@@ -29,6 +29,7 @@ from recipe.workers.rollout import RolloutWorker
 
 if TYPE_CHECKING:
     from megatron_bridge.moe.table import RoutingRecord
+    from megatron_bridge.plan.platforms import Platform
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -44,8 +45,6 @@ class RankInfo:
     tp_rank: int
     pp_rank: int
     first_of_replica: bool  # the rank whose outputs stand for its DP replica
-    rollout_dp_rank: int
-    first_of_rollout_group: bool
 
 
 def free_address() -> tuple[str, int]:
@@ -57,14 +56,18 @@ def free_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
+def quiet_known_warnings() -> None:
+    """Known, harmless warnings of megatron-core 0.12.1 on this torch, once per call otherwise."""
+    for message in (".*(Transformer Engine|Apex).*", r".*torch\.distributed\.\w+` is deprecated.*",
+                    ".*is not a leaf Tensor is being accessed.*"):
+        warnings.filterwarnings("ignore", message=message)
+
+
 class Worker:
     def __init__(self, rank: int, world_size: int, threads: int):
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(threads)
-        # known, harmless warnings of megatron-core 0.12.1 on this torch, once per call otherwise
-        for message in (".*(Transformer Engine|Apex).*", r".*torch\.distributed\.\w+` is deprecated.*",
-                        ".*is not a leaf Tensor is being accessed.*"):
-            warnings.filterwarnings("ignore", message=message)
+        quiet_known_warnings()
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -72,33 +75,37 @@ class Worker:
     def setup(self, cfg: RecipeConfig, model_dir: str, master_addr: str, master_port: int) -> RankInfo:
         """Join torch.distributed, build both roles and give the engine the actor's weights (so the
         engine always serves exactly what the actor holds)."""
-        import ray
-        from megatron.core import parallel_state as ps
-
-        from megatron_bridge.runtime.platform import activate, init_distributed
         from recipe.rollout import ENGINES
+
+        platform = self._join(cfg, master_addr, master_port)
+        # an engine that shards the experts over its EP ranks receives only its own experts' weights
+        rollout_ep = cfg.layout.rollout.ep if ENGINES[cfg.actor_rollout_ref.rollout.name].expert_parallel else 1
+        self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, DTYPES[cfg.actor_rollout_ref.model.dtype],
+                                 platform.name, rollout_ep, make_room=self._sleep_rollout)
+        self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name)
+        self.sync_weights()
+        return self._info()
+
+    def _join(self, cfg: RecipeConfig, master_addr: str, master_port: int) -> Platform:
+        """This rank in the training ranks' torch.distributed world, on the layout's platform."""
+        from megatron_bridge.runtime.platform import activate, init_distributed
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        layout = cfg.layout
-        platform = activate(layout.cluster.device)
+        platform = activate(cfg.layout.cluster.device)
         init_distributed(platform)
-        dtype = DTYPES[cfg.actor_rollout_ref.model.dtype]
-        # an engine that shards the experts over its EP ranks receives only its own experts' weights
-        rollout_ep = layout.rollout.ep if ENGINES[cfg.actor_rollout_ref.rollout.name].expert_parallel else 1
-        self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, dtype, platform.name, rollout_ep,
-                                 make_room=self._sleep_rollout)
-        self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name)
-        self.sync_weights()
+        return platform
 
-        rollout_tp = layout.rollout.tp
+    def _info(self) -> RankInfo:
+        import ray
+        from megatron.core import parallel_state as ps
+
         return RankInfo(
             rank=self.rank, node_ip=ray.util.get_node_ip_address(),
             dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
             tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             first_of_replica=ps.get_tensor_model_parallel_rank() == 0
             and ps.get_pipeline_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
-            rollout_dp_rank=self.rank // rollout_tp, first_of_rollout_group=self.rank % rollout_tp == 0,
         )
 
     def _sleep_rollout(self) -> None:
@@ -106,22 +113,23 @@ class Worker:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams) -> Generation:
+    def generate(self, prompts: list[list[int]], request_ids: list[int],
+                 params: SamplingParams) -> tuple[Generation, float]:
         self.actor.offload()
         return self.rollout.generate(prompts, request_ids, params)
 
     def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str,
                           replay: bool) -> tuple[torch.Tensor, RoutingRecord | None]:
-        self.rollout.sleep()
+        self._sleep_rollout()
         return self.actor.compute_log_probs(batch, model, replay)
 
     def sample_routing(self, batch: dict[str, torch.Tensor]) -> RoutingRecord:
-        self.rollout.sleep()
+        self._sleep_rollout()
         return self.actor.sample_routing(batch)
 
     def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int,
                replay: bool) -> tuple[list[dict[str, float]], RoutingRecord]:
-        self.rollout.sleep()
+        self._sleep_rollout()
         return self.actor.update(batch, mini_batch_rows, replay)
 
     def sync_weights(self) -> dict[str, float]:

@@ -1,10 +1,15 @@
-"""Ray plumbing: one ``recipe.workers.colocated.Worker`` per device, placed node by node with
-placement groups, and calls to all of them that turn a dead worker into a message naming it and a
-worker's refusal of its input (``INPUT_ERRORS``) into that error, without Ray's wrapping."""
+"""Ray plumbing: one Ray actor per device, placed node by node with placement groups, and calls to
+all of them that turn a dead worker into a message naming it and a worker's refusal of its input
+(``INPUT_ERRORS``) into that error, without Ray's wrapping.
+
+A pool (``Pool``) is the ranks of one kind: colocated, one ``recipe.workers.colocated.Worker`` per
+training device; with a rollout pool of its own, ``recipe.workers.separate``'s training ranks and,
+in a second group, its rollout ranks (``pools``)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
@@ -35,6 +40,34 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended (crash, OOM kill, node loss); the run cannot go on without it."""
 
 
+@dataclass(frozen=True)
+class Pool:
+    """Ranks of one kind: the Ray actor class of a rank (built with ``(rank, size, threads)``), its
+    nodes and devices, what a message calls one of its ranks and which keys size it."""
+
+    actor: type
+    nnodes: int
+    devices_per_node: int
+    label: str = "worker"
+    keys: str = "trainer.nnodes / trainer.n_gpus_per_node"
+
+    @property
+    def size(self) -> int:
+        return self.nnodes * self.devices_per_node
+
+
+def pools(layout: Layout) -> tuple[Pool, Pool | None]:
+    """The training pool, and the rollout's own pool when it has one (``hybrid_engine=false``)."""
+    from recipe.workers.separate import RolloutRank, TrainerWorker
+
+    c, r = layout.cluster, layout.rollout
+    if not layout.separate_rollout:
+        return Pool(Worker, c.nnodes, c.devices_per_node), None
+    return (Pool(TrainerWorker, c.nnodes, c.devices_per_node),
+            Pool(RolloutRank, r.nnodes or 1, r.devices_per_node, "rollout worker",
+                 "actor_rollout_ref.rollout.nnodes / n_gpus_per_node"))
+
+
 def init_ray(device: str, world_size: int) -> bool:
     """Join the cluster when run under ``ray job submit`` (RAY_ADDRESS is set), else start a local
     Ray with enough CPUs for one worker per simulated device. False: Ray was up already."""
@@ -55,7 +88,8 @@ def shutdown_ray() -> None:
     ray.shutdown()
 
 
-def pick_nodes(nodes: list[dict], nnodes: int, devices_per_node: int, resource: str | None) -> list[dict]:
+def pick_nodes(nodes: list[dict], nnodes: int, devices_per_node: int, resource: str | None,
+               keys: str = Pool.keys) -> list[dict]:
     """The ``nnodes`` nodes the run takes (``ray.nodes()`` entries): alive ones that offer a whole
     node's devices, the head first. Raises naming what the cluster has when too few qualify."""
     fit = [n for n in nodes if n["Alive"] and (resource is None or n["Resources"].get(resource, 0) >= devices_per_node)]
@@ -65,43 +99,43 @@ def pick_nodes(nodes: list[dict], nnodes: int, devices_per_node: int, resource: 
                          else n["NodeManagerAddress"] for n in nodes if n["Alive"]) or "none"
         raise ClusterError(
             f"the run needs {nnodes} node(s) with {devices_per_node} {resource or 'CPU ranks'} each; the Ray cluster "
-            f"has {len(fit)} such node(s) (alive: {have}). Check trainer.nnodes / trainer.n_gpus_per_node against "
-            "the nodes that joined"
+            f"has {len(fit)} such node(s) (alive: {have}). Check {keys} against the nodes that joined"
         )
     return fit[:nnodes]
 
 
 class WorkerGroup:
-    def __init__(self, layout: Layout):
-        cluster = layout.cluster
-        self.world_size = cluster.world_size
-        resource = DEVICE_RESOURCE[cluster.device]
-        nodes = pick_nodes(ray.nodes(), cluster.nnodes, cluster.devices_per_node, resource)
+    def __init__(self, pool: Pool, device: str, cpu_ranks_per_node: int):
+        """``pool``'s ranks as Ray actors. On the CPU a node's cores are shared by the
+        ``cpu_ranks_per_node`` ranks of every pool on it."""
+        self.pool, self.world_size = pool, pool.size
+        resource = DEVICE_RESOURCE[device]
+        nodes = pick_nodes(ray.nodes(), pool.nnodes, pool.devices_per_node, resource, pool.keys)
         cpus_per_worker = 1
         if resource is None:  # CPU: share each node's cores between its ranks
-            cpus_per_worker = max(1, min(int(n["Resources"].get("CPU", 1)) for n in nodes) // cluster.devices_per_node)
+            cpus_per_worker = max(1, min(int(n["Resources"].get("CPU", 1)) for n in nodes) // cpu_ranks_per_node)
         bundle = {"CPU": cpus_per_worker, **({resource: 1} if resource else {})}
         # One STRICT_PACK group per node, pinned to it (Ray's node:<ip> resource): the ranks of a
-        # node stay together and no two groups share a node, as the layout assumes.
-        self.groups = [placement_group([{**bundle, f"node:{n['NodeManagerAddress']}": 0.001}] * cluster.devices_per_node,
+        # node stay together and no two groups of a pool share a node, as the layout assumes.
+        self.groups = [placement_group([{**bundle, f"node:{n['NodeManagerAddress']}": 0.001}] * pool.devices_per_node,
                                        strategy="STRICT_PACK") for n in nodes]
         ready = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups), timeout=PLACEMENT_TIMEOUT_S)[0]
         if len(ready) < len(self.groups):
             self.close()
             raise ClusterError(
-                f"Ray could place only {len(ready)} of {cluster.nnodes} nodes' workers within {PLACEMENT_TIMEOUT_S}s: "
-                f"each node needs {cluster.devices_per_node} x {bundle}; the cluster has {ray.cluster_resources()}. "
-                "Check trainer.nnodes / trainer.n_gpus_per_node against the nodes that joined"
+                f"Ray could place only {len(ready)} of {pool.nnodes} nodes' {pool.label}s within {PLACEMENT_TIMEOUT_S}s: "
+                f"each node needs {pool.devices_per_node} x {bundle}; the cluster has {ray.cluster_resources()}. "
+                f"Check {pool.keys} against the nodes that joined"
             )
-        remote = ray.remote(Worker)
+        remote = ray.remote(pool.actor)
         self.workers = [
             remote.options(
                 num_cpus=cpus_per_worker,
                 resources={resource: 1} if resource else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local),
-            ).remote(node * cluster.devices_per_node + local, self.world_size, cpus_per_worker)
+            ).remote(node * pool.devices_per_node + local, self.world_size, cpus_per_worker)
             for node, group in enumerate(self.groups)
-            for local in range(cluster.devices_per_node)
+            for local in range(pool.devices_per_node)
         ]
         self.infos: list[RankInfo] = []
 
@@ -112,8 +146,12 @@ class WorkerGroup:
 
     def call(self, method: str, args: Sequence[tuple] | None = None, phase: str | None = None) -> list[Any]:
         """``method`` on every worker (with its own ``args`` if given), all at once; their results."""
+        return self.get(self.submit(method, args), phase or method)
+
+    def submit(self, method: str, args: Sequence[tuple] | None = None) -> list:
+        """``method`` on every worker, all at once, without waiting: their refs for ``get``."""
         args = args or [()] * self.world_size
-        return self.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args)], phase or method)
+        return [getattr(w, method).remote(*a) for w, a in zip(self.workers, args)]
 
     def get(self, refs: list, phase: str) -> list[Any]:
         try:
@@ -135,7 +173,7 @@ class WorkerGroup:
 
     def _describe(self, rank: int) -> str:
         node = f" on node {self.infos[rank].node_ip}" if rank < len(self.infos) else ""
-        return f"worker rank {rank}{node}"
+        return f"{self.pool.label} rank {rank}{node}"
 
     def close(self) -> None:
         for worker in getattr(self, "workers", []):

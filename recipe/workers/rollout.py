@@ -4,6 +4,8 @@ device handed back to the trainer while it sleeps. The weights come in through t
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from recipe.config import RecipeConfig
@@ -21,9 +23,13 @@ class RolloutWorker:
             engine_kwargs=rollout.engine_kwargs.get(rollout.name),
         ))
 
-    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams) -> Generation:
+    def generate(self, prompts: list[list[int]], request_ids: list[int],
+                 params: SamplingParams) -> tuple[Generation, float]:
+        """The engine's responses, and the seconds they took here (the driver's clock would count
+        the time the call waited, too)."""
+        start = time.perf_counter()
         self.engine.wake_up()
-        return self.engine.generate(prompts, params, request_ids=request_ids)
+        return self.engine.generate(prompts, params, request_ids=request_ids), time.perf_counter() - start
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -1,0 +1,112 @@
+"""Weight sync across processes: the training ranks' export stream to a rollout pool of its own
+(``actor_rollout_ref.hybrid_engine=false``).
+
+Training rank 0 and the rollout ranks form a process group of their own, outside the training
+ranks' torch.distributed world (megatron's parallel state owns that one): a ``TCPStore`` that
+training rank 0 hosts and a gloo group on it. Every training rank runs
+``WeightExporter.stream()`` as in the colocated sync (its exchanges are collectives of the training
+ranks); with ``Routing(receivers=1)`` only rank 0 is given tensors. Rank 0 packs each of the
+exporter's buckets into one flat buffer and broadcasts it; every rollout rank receives it into the
+same layout (``TransferPlan``, sent once at start-up) and hands views of it to its engine's
+``load_weights``, which copies each before pulling the next (the stream's contract). One bucket is in
+flight at a time, so neither side holds more than one bucket beyond its model.
+
+gloo serves the CPU; a device pool would build the same group with ``ProcessGroupNCCL`` (or
+HCCL's) on device buffers, which has not run yet (docs/async.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge.weights.export import WeightExporter
+
+# A sync starts only once the rollout ranks are idle (the driver waits for their generation
+# first), so this bounds the transfer itself and a peer that died during it.
+GROUP_TIMEOUT_S = 600
+SENDER = 0  # training rank 0 is rank 0 of the weight group; rollout rank i is rank i + 1
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What the rollout ranks receive, in order: per bucket, (Hub name, shape) of its tensors."""
+
+    dtype: torch.dtype
+    buckets: list[list[tuple[str, tuple[int, ...]]]]
+
+    @classmethod
+    def of(cls, exporter: WeightExporter) -> TransferPlan:
+        return cls(exporter.dtype, [[(n, tuple(exporter.shapes[n])) for n in b.names] for b in exporter.buckets])
+
+    def numel(self, bucket: list[tuple[str, tuple[int, ...]]]) -> int:
+        return sum(math.prod(shape) for _, shape in bucket)
+
+    def buffer(self) -> torch.Tensor:
+        """One flat buffer that holds the largest bucket."""
+        return torch.empty(max(self.numel(b) for b in self.buckets), dtype=self.dtype)
+
+
+class WeightGroup:
+    """This process's member of the weight group (``rank`` 0: the sender, which hosts the store)."""
+
+    def __init__(self, host: str, port: int, rank: int, size: int):
+        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+        store = dist.TCPStore(host, port, size, rank == SENDER, timeout=timeout)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, size, timeout)
+        self.store = store  # the sender's store serves the group for its whole life
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = SENDER
+        self.group.broadcast([tensor], options).wait()
+
+
+def send(exporter: WeightExporter, plan: TransferPlan, group: WeightGroup | None) -> dict[str, float]:
+    """Every training rank calls this together; rank 0 (the one with ``group``) broadcasts the
+    stream bucket by bucket. ``timing_s/reshard`` with the stream's ``reshard/*`` counts, and on
+    rank 0 the bytes broadcast and their rate."""
+    start = time.perf_counter()
+    stream = exporter.stream()
+    sent, on_wire = 0, 0.0
+    if group is not None:
+        flat = plan.buffer()
+        for bucket in plan.buckets:
+            offset = 0
+            for name, shape in bucket:
+                got, tensor = next(stream)
+                if got != name:
+                    raise RuntimeError(f"weight stream out of the transfer plan's order: {got} where {name} was planned")
+                n = math.prod(shape)
+                flat[offset : offset + n].copy_(tensor.reshape(-1))
+                offset += n
+            clock = time.perf_counter()
+            group.broadcast(flat[:offset])
+            on_wire += time.perf_counter() - clock
+            sent += offset * flat.element_size()
+    for _ in stream:  # the other ranks' part of the exchanges (rank 0: nothing is left)
+        pass
+    metrics = {"timing_s/reshard": time.perf_counter() - start, **exporter.stats.as_metrics()}
+    if group is not None:
+        metrics |= {"reshard/broadcast_bytes": float(sent), "timing_s/reshard_broadcast": on_wire,
+                    "reshard/broadcast_gb_per_s": sent / 1e9 / on_wire if on_wire > 0 else 0.0}
+    return metrics
+
+
+def receive(plan: TransferPlan, group: WeightGroup) -> Iterator[tuple[str, torch.Tensor]]:
+    """The broadcast as a weight stream for ``load_weights`` (views of one reused buffer)."""
+    flat = plan.buffer()
+    for bucket in plan.buckets:
+        size = plan.numel(bucket)
+        group.broadcast(flat[:size])
+        offset = 0
+        for name, shape in bucket:
+            n = math.prod(shape)
+            yield name, flat[offset : offset + n].view(shape)
+            offset += n

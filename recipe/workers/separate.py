@@ -1,0 +1,93 @@
+"""A rollout pool of its own (``actor_rollout_ref.hybrid_engine=false``): the training ranks hold
+the actor role alone (``TrainerWorker``), the rollout ranks the rollout role alone
+(``RolloutRank``), each in a Ray actor of its own, on devices of their own, so that generation can
+run while the trainer updates (``async_training.mode=one_step_off``).
+
+The weights cross processes over a group of training rank 0 and the rollout ranks
+(``recipe.rollout.broadcast``): every training rank streams its export, rank 0 broadcasts it. The
+driver opens that group once (``join_weights`` on both sides at once) and calls ``sync_weights``
+on both sides together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from recipe.config import RecipeConfig
+from recipe.rollout.base import Generation, SamplingParams
+from recipe.workers.actor import ActorWorker
+from recipe.workers.colocated import DTYPES, RankInfo, Worker, quiet_known_warnings
+from recipe.workers.rollout import RolloutWorker
+
+if TYPE_CHECKING:
+    from recipe.rollout.broadcast import TransferPlan
+
+
+class TrainerWorker(Worker):
+    """A training rank without an engine: the colocated ``Worker``'s passes, checkpoints and
+    memory, with the weight sync sent to the rollout pool."""
+
+    def setup(self, cfg: RecipeConfig, model_dir: str, master_addr: str, master_port: int) -> RankInfo:
+        from recipe.rollout.broadcast import TransferPlan
+
+        platform = self._join(cfg, master_addr, master_port)
+        # rank 0 takes the whole model and passes it on; the rollout ranks hold every expert
+        self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, DTYPES[cfg.actor_rollout_ref.model.dtype],
+                                 platform.name, 1, make_room=self._sleep_rollout, weight_receivers=1)
+        self.plan = TransferPlan.of(self.actor.exporter)
+        self.weights = None  # the weight group, on rank 0 once joined
+        return self._info()
+
+    def _sleep_rollout(self) -> None:
+        pass  # no engine shares this device
+
+    def transfer_plan(self) -> TransferPlan:
+        return self.plan
+
+    def join_weights(self, host: str, port: int, size: int) -> None:
+        """Rank 0: open the weight group (it hosts the store) with the rollout ranks."""
+        from recipe.rollout.broadcast import SENDER, WeightGroup
+
+        self.weights = WeightGroup(host, port, SENDER, size)
+
+    def sync_weights(self) -> dict[str, float]:
+        from recipe.rollout.broadcast import send
+
+        return send(self.actor.export(), self.plan, self.weights)
+
+    def load(self, directory: str) -> bool:
+        return self.actor.load(directory)  # the driver syncs the rollout pool once all ranks have loaded
+
+
+class RolloutRank:
+    """One rollout rank: its engine, in a process with no Megatron shard, outside the training world."""
+
+    def __init__(self, rank: int, world_size: int, threads: int):
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(threads)
+        quiet_known_warnings()  # the config's imports reach megatron-core
+
+    def setup(self, cfg: RecipeConfig, model_dir: str) -> None:
+        from megatron_bridge.runtime.platform import activate
+
+        platform = activate(cfg.layout.cluster.device)
+        self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name)
+        self.weights = self.plan = None
+
+    def join_weights(self, host: str, port: int, size: int, plan: TransferPlan) -> None:
+        from recipe.rollout.broadcast import WeightGroup
+
+        self.weights, self.plan = WeightGroup(host, port, self.rank + 1, size), plan
+
+    def generate(self, prompts: list[list[int]], request_ids: list[int],
+                 params: SamplingParams) -> tuple[Generation, float]:
+        return self.rollout.generate(prompts, request_ids, params)
+
+    def sync_weights(self) -> None:
+        """Receive the training ranks' broadcast into the engine (with their ``sync_weights``)."""
+        from recipe.rollout.broadcast import receive
+        from recipe.rollout.sync import load_all
+
+        load_all(receive(self.plan, self.weights), self.rollout.engine)
