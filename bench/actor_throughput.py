@@ -35,14 +35,12 @@ NPU/GPU throughput.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
@@ -55,7 +53,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 
 import torch  # noqa: E402
 
-from bench.common import cpu_cores, free_port, has_generated_block, machine_facts, markers, write_doc  # noqa: E402
+from bench.common import check_out, cpu_cores, machine_facts, run_ranks, write_doc  # noqa: E402
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/actor_throughput.py"
@@ -95,13 +93,6 @@ FORWARD, BACKWARD = "forward-compute", "backward-compute"
 GRAD_SYNC = ("all-grads-sync", "layernorm-grads-all-reduce", "embedding-grads-all-reduce",
              "conditional-embedder-grads-all-reduce")
 OUTSIDE = "outside megatron timers"
-# Warnings every rank would print on every run, none of them about the measurement.
-BENIGN_WARNINGS = (
-    ".*(Apex|Transformer Engine).*",  # megatron's import-time notes
-    ".*non-leaf Tensor.*",  # megatron's DistributedOptimizer.zero_grad probing .grad of its shard views
-    ".*CUDA_DEVICE_MAX_CONNECTIONS.*",  # a CUDA stream hint for sequence parallel
-    ".*Disabling sequence parallel.*",  # expert linears with ETP1 under TP2+SP
-)
 CALLS = "collective calls"
 
 
@@ -350,42 +341,13 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_toke
     return out
 
 
-def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, threads: int, layout: str,
-                checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int, profile_dir: str | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
-    torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames megatron still uses
-    for message in BENIGN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
-    import torch.distributed as dist
-
-    from megatron_bridge.runtime import platform
-
-    platform.activate("cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = measure(rank, layout, checkpoint, shape, max_tokens, steps, profile_dir)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-# --- the driver ----------------------------------------------------------------------------------
-
-
 def run_layout(layout: str, checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int,
                threads: int | None, profile_dir: str | None) -> dict[str, Any]:
     """Spawn the layout's ranks and summarise what they measured."""
-    import torch.multiprocessing as mp
-
     world = LAYOUTS[layout].ranks
     per_rank = threads or LAYOUTS[layout].threads or max(1, cpu_cores() // world)
-    with tempfile.TemporaryDirectory(prefix=f"bench_{layout}_") as out_dir:
-        start = time.perf_counter()
-        mp.spawn(_rank_entry, args=(world, free_port(), out_dir, per_rank, layout, checkpoint, shape, max_tokens,
-                                    steps, profile_dir), nprocs=world, join=True)
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    start = time.perf_counter()
+    ranks = run_ranks(measure, world, per_rank, layout, checkpoint, shape, max_tokens, steps, profile_dir)
     return summarise(layout, max_tokens, ranks, time.perf_counter() - start)
 
 
@@ -542,8 +504,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_tokens is not None and args.max_tokens < args.prompt + args.response:
         p.error(f"--max-tokens {args.max_tokens} must hold the longest sequence, --prompt + --response = "
                 f"{args.prompt + args.response}")
-    if args.out and args.out.exists() and not has_generated_block(args.out.read_text(), SCRIPT):
-        p.error(f"--out {args.out} has no generated block ({' ... '.join(markers(SCRIPT))}); add one or choose a new file")
+    check_out(p, args.out, SCRIPT)
     if args.checkpoint and not Path(args.checkpoint, "config.json").is_file():
         p.error(f"--checkpoint {args.checkpoint}: no config.json there (expected a HF model directory)")
     for name in args.layouts:

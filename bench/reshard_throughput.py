@@ -36,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +44,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 
 import torch  # noqa: E402
 
-from bench.common import cpu_cores, free_port, has_generated_block, machine_facts, markers, write_doc  # noqa: E402
+from bench.common import check_out, cpu_cores, machine_facts, run_ranks, write_doc  # noqa: E402
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/reshard_throughput.py"
@@ -195,30 +194,9 @@ def _zero_copy(exporter, rank) -> int:
     return sum(exporter._bytes(n) for n in whole)
 
 
-def _rank_entry(rank, world, port, out_dir, layout, config_dir, buckets, repeats):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(max(1, cpu_cores() // world))
-    warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-
-    from megatron_bridge.runtime import platform
-
-    platform.activate("cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(measure(rank, layout, config_dir, buckets, repeats)))
-    finally:
-        dist.destroy_process_group()
-
-
 def run_layout(layout: str, config_dir: str, buckets: list[float], repeats: int) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix=f"bench_reshard_{layout}_") as out_dir:
-        mp.spawn(_rank_entry, args=(RANKS, free_port(), out_dir, layout, config_dir, buckets, repeats),
-                 nprocs=RANKS, join=True)
-        return [row for r in range(RANKS) for row in json.loads(Path(out_dir, f"rank{r}.json").read_text())]
+    ranks = run_ranks(measure, RANKS, max(1, cpu_cores() // RANKS), layout, config_dir, buckets, repeats)
+    return [row for rows in ranks for row in rows]
 
 
 def table(rows: list[dict]) -> str:
@@ -278,6 +256,10 @@ def _param_bytes() -> int:
     return 2 * spec_from_hf_dict(MID_SIZE, name="mid-size", source=SCRIPT).total_params
 
 
+# Public bandwidths a sync of the 30B model is projected at (docs/bench_reshard.md names their sources).
+BANDWIDTHS = {"HCCL effective, measured by verl on 2x16 910C": 5.3, "200 Gb/s RoCE per NPU": 25.0}
+
+
 def paper_estimate(model: str = "qwen3_30b_a3b", layout_name: str = "qwen3_30b_a3b_2x16_a3") -> str:
     """Bytes each rank must receive per sync, and the time at public bandwidths, with and without
     EP-aware routing, for the shipped layout. The local part (zero-copy views and one copy into the
@@ -330,8 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--repeats must be >= 1")
     if any(b <= 0 for b in args.buckets):
         p.error("--buckets must be positive")
-    if args.out and args.out.exists() and not has_generated_block(args.out.read_text(), SCRIPT):
-        p.error(f"--out {args.out} has no generated block ({' ... '.join(markers(SCRIPT))}); add one or choose a new file")
+    check_out(p, args.out, SCRIPT)
     return args
 
 

@@ -233,6 +233,35 @@ def test_incomplete_checkpoint_is_named(written, tmp_path):
         check_complete(directory)
 
 
+def _load_refusal(rank, world_size, model, directory):
+    """What loading ``directory`` into an actor of ``model`` (EP2) raises, as (type, message)."""
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.runtime import checkpoint as dist_checkpoint
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.optim import OptimConfig
+
+    train = TrainParallel(**WRITER)
+    initialize_parallel(train)
+    actor = MegatronActor(load_model_spec(model), train, BuildOptions(params_dtype=torch.float32),
+                          OptimConfig(**OPTIM), "cpu")
+    try:
+        dist_checkpoint.load(actor, directory)
+    except Exception as e:  # noqa: BLE001  (the test reads what it was)
+        return [type(e).__name__, str(e)]
+    return None
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_refused_by_name(written, tmp_path):
+    """A resume with a model whose expert width differs: a config error naming the checkpoint."""
+    other = save_tiny_checkpoint(tmp_path / "other", seed=1, moe_intermediate_size=48)
+    for kind, message in run_ranks(_load_refusal, 2, tmp_path, other, str(written[2])):
+        assert kind == "ConfigError", message
+        assert message.startswith(f"checkpoint {written[2]} does not fit this model: "), message
+        assert "trainer.resume_mode=disable" in message and "\n" not in message
+
+
 def test_planned_checkpoint_size_matches_the_files(written):
     """The planner's checkpoint size (fp32 weights here) is the tensor bytes of the files, less
     torch.save's framing of each stored slice; each of the 2 ranks writes about half."""

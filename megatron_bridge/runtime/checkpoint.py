@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_bridge.errors import ConfigError
 from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, check_complete
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def load(actor: "MegatronActor", directory: str) -> bool:
     """Load the checkpoint in ``directory`` into this rank's shards, whatever layout wrote it.
     Returns whether the RNG states were restored (same ranks and layout, see the module's notes)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
@@ -81,8 +83,14 @@ def load(actor: "MegatronActor", directory: str) -> bool:
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(directory), _parallel_group())
     try:
         loaded = dist_checkpointing.load(state, directory, strategy)
-    except CheckpointException as e:  # every rank raises the failures of all
-        rank, (failure, _) = sorted(e.failures.items())[0]
+    except (CheckpointingException, CheckpointException) as e:
+        # torch's loader gathers every rank's failure (CheckpointException); megatron's own checks of
+        # the stored shards against this model's (CheckpointingException) mean another model
+        rank, failure = (0, e) if isinstance(e, CheckpointingException) else _first_failure(e)
+        if isinstance(failure, CheckpointingException):
+            raise ConfigError(f"checkpoint {directory} does not fit this model: {str(failure).splitlines()[0]}; "
+                              "resume it with the model it was written for, or start afresh "
+                              "(trainer.resume_mode=disable)") from e
         raise CheckpointFilesError(
             f"checkpoint {directory} is damaged: reading its tensors failed on rank {rank} "
             f"({type(failure).__name__}: {failure}); resume from an earlier checkpoint "
@@ -96,6 +104,11 @@ def load(actor: "MegatronActor", directory: str) -> bool:
     if same_layout:
         _set_rng_state(loaded[RNG_KEY])
     return same_layout
+
+
+def _first_failure(e: CheckpointException) -> tuple[int, BaseException]:
+    rank, (failure, _) = sorted(e.failures.items())[0]
+    return rank, failure
 
 
 def sharded_state_dict(actor: "MegatronActor", loading: bool) -> tuple[dict, "_OptimizerState | None"]:
