@@ -1,6 +1,6 @@
 """HF export of the actor's checkpoint (``python -m recipe.model_merger merge --backend megatron``):
 transformers loads the export and gives the trainer's log-probs at that checkpoint; the same
-weights checkpointed under two layouts export to the same tensors; bad input is refused by name."""
+weights checkpointed under three layouts export to the same tensors; bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from tests.numerics import log_prob_tolerance
 from tests.test_actor_update import LOSSES, OPTIM, make_batch
 
 REPO = Path(__file__).resolve().parents[1]
-WRITER, READER = {"ep": 2, "etp": 1}, {"pp": 2}
+WRITER = {"ep": 2, "etp": 1}
+READERS = {"pp2": {"pp": 2}, "tp2": {"tp": 2, "sequence_parallel": True}}  # load the writer's, save again
 
 
 def _checkpoint(rank, world_size, model, batch, train_kwargs, directory, source):
@@ -57,8 +58,9 @@ def _checkpoint(rank, world_size, model, batch, train_kwargs, directory, source)
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The tiny model updated once under EP2 and checkpointed as a recipe step directory
-    (``global_step_1/actor`` with ``huggingface/``), then loaded and checkpointed again under PP2;
-    both exported. The first export runs the command line, the second the function."""
+    (``global_step_1/actor`` with ``huggingface/``), then loaded and checkpointed again under PP2
+    and under TP2 with sequence parallel; all exported. The first export runs the command line,
+    the others the function."""
     from recipe.driver.checkpoint import copy_hf_files
     from recipe.model_merger import merge
 
@@ -68,13 +70,15 @@ def exported(tmp_path_factory):
     step = tmp / "global_step_1"
     first = run_ranks(_checkpoint, 2, tmp, model, batch, WRITER, str(step / "actor"), None)
     copy_hf_files(Path(model), step / "actor" / "huggingface")
-    run_ranks(_checkpoint, 2, tmp, model, batch, READER, str(tmp / "pp2"), str(step / "actor"))
+    for name, layout in READERS.items():
+        run_ranks(_checkpoint, 2, tmp, model, batch, layout, str(tmp / name), str(step / "actor"))
     out = subprocess.run([sys.executable, "-m", "recipe.model_merger", "merge", "--backend", "megatron",
                           "--local_dir", str(step), "--target_dir", str(tmp / "hf_ep2")],
                          cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-3000:]
-    merge(tmp / "pp2", tmp / "hf_pp2", hf_model_path=Path(model), shard_megabytes=0.5)
+    for name in READERS:
+        merge(tmp / name, tmp / f"hf_{name}", hf_model_path=Path(model), shard_megabytes=0.5)
     return model, batch, torch.tensor(first[0]), tmp
 
 
@@ -109,16 +113,18 @@ def test_export_gives_the_trainers_log_probs(exported):
 
 
 @pytest.mark.slow
-def test_two_layouts_export_the_same_tensors(exported):
+def test_three_layouts_export_the_same_tensors(exported):
     from megatron_bridge.plan.model_spec import load_model_spec
     from megatron_bridge.weights.load import hub_tensor_names
 
     model, _, _, tmp = exported
-    ep2, pp2 = _tensors(tmp / "hf_ep2"), _tensors(tmp / "hf_pp2")
+    ep2 = _tensors(tmp / "hf_ep2")
     assert sorted(ep2) == sorted(hub_tensor_names(load_model_spec(model)))
-    assert ep2.keys() == pp2.keys()
-    for name, tensor in ep2.items():
-        assert torch.equal(pp2[name], tensor), name
+    for reader in READERS:
+        other = _tensors(tmp / f"hf_{reader}")
+        assert ep2.keys() == other.keys(), reader
+        for name, tensor in ep2.items():
+            assert torch.equal(other[name], tensor), (reader, name)
     shards = json.loads((tmp / "hf_pp2" / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(shards.values())) > 1  # cut into shards of at most 0.5 MB
 
