@@ -37,11 +37,17 @@ TRAINER_STATE = "trainer_state.json"
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
-def checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a temporary one has another name until it is renamed)."""
+def step_dirs(directory: Path) -> list[Path]:
+    """The ``global_step_K`` directories, oldest first (a temporary one has another name until it
+    is renamed, a damaged one set aside too)."""
     found = [p for p in directory.glob(f"{CHECKPOINT_PREFIX}*")
-             if p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / TRAINER_STATE).is_file()]
+             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    return [p for p in step_dirs(directory) if (p / TRAINER_STATE).is_file()]
 
 
 def damage(checkpoint: Path) -> list[str]:
@@ -78,10 +84,8 @@ def resume_point(t: TrainerConfig, directory: Path) -> tuple[Path | None, list[t
             raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint: {'; '.join(found)}; "
                               f"give another one (<run dir>/checkpoints/{CHECKPOINT_PREFIX}K)")
         return path, []
-    named = [p for p in directory.glob(f"{CHECKPOINT_PREFIX}*")
-             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
     skipped = []
-    for path in sorted(named, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), reverse=True):
+    for path in reversed(step_dirs(directory)):
         found = damage(path)
         if not found:
             return path, skipped
