@@ -277,6 +277,9 @@ class AsyncTrainingConfig:
     with weights one update old, while this step trains (verl's one-step-off-policy recipe)."""
 
     mode: str = "sync"
+    # how long a rank of the weight group (training rank 0 and the rollout pool) waits for the others
+    # when joining it and in each bucket's broadcast before the sync fails (recipe.rollout.broadcast)
+    weight_sync_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -460,6 +463,7 @@ RULES: dict[str, Rule] = {
     "trainer.logger": one_of(LOGGERS),
     f"{_ACTOR}.checkpoint.save_contents": save_contents_rule,
     "async_training.mode": async_mode_rule,
+    "async_training.weight_sync_timeout_s": greater_than(0),
 }
 
 

@@ -37,12 +37,14 @@ def run_reporting(body: Callable[[], object], usage_errors: tuple[type[Exception
     from recipe.driver.signals import Stopped
     from recipe.tracking.loggers import LoggerError
     from recipe.reward import RewardError
+    from recipe.rollout.broadcast import WeightSyncError
     from recipe.workers.group import ClusterError, WorkerDiedError
 
     usage = (ConfigError, *usage_errors)
     try:
         body()
-    except (*usage, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, OSError) as e:
+    except (*usage, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, WeightSyncError,
+            OSError) as e:
         notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
         print(f"error: {e}{notes}", file=sys.stderr)
         return 2 if isinstance(e, usage) else 1

@@ -4,10 +4,14 @@ transformers engine in processes of its own)."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import pytest
 
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
+from recipe.tracking.loggers import read_jsonl
 from tests.test_recipe_e2e import TINY, VOLATILE, _trainer
 
 ONE_STEP_OFF = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
@@ -112,17 +116,118 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
     assert later[0]["data/prompt_hash"] != got["data/prompt_hash"]
 
 
-@pytest.mark.slow
-def test_a_dead_rollout_worker_is_named(tmp_path, fresh_ray):
-    from recipe.workers.group import WorkerDiedError
+# --- faults: each one line naming what failed, no hang, the checkpoint resumable ---------------------
 
-    trainer = _trainer(tmp_path, "dead_rollout", ["async_training.mode=one_step_off",
-                                                   "actor_rollout_ref.hybrid_engine=false",
-                                                   "actor_rollout_ref.rollout.n_gpus_per_node=1"])
-    try:
-        fresh_ray.kill(trainer.rollout_workers.workers[0])
-        with pytest.raises(WorkerDiedError, match="rollout worker rank 0 died during generation") as info:
+
+def _plant(actor, attribute: str, call: int, fault: str) -> None:
+    """Plant a fault in a worker's process, as a crash or a hang would strike it there: ``attribute``
+    (a dotted path from the Ray actor's instance to a method) works as before until its ``call``-th
+    call from now, which ends the process (``fault="exit"``) or never returns (``"stall"``)."""
+    import ray
+
+    def plant(instance):
+        import functools
+        import itertools
+        import os
+        import time
+
+        *path, name = attribute.split(".")
+        owner = functools.reduce(getattr, path, instance)
+        original, calls = getattr(owner, name), itertools.count(1)
+
+        def planted(*args, **kwargs):
+            if next(calls) == call:
+                if fault == "exit":
+                    os._exit(1)
+                time.sleep(3600)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, planted)
+
+    ray.get(actor.__ray_call__.remote(plant))
+
+
+def _failed_run(tmp_path, name: str, overrides: list[str], fault) -> tuple[int, list[str], str]:
+    """Start a run, ``fault(trainer)``, train it as ``recipe.main`` would end it: its exit status, the
+    lines of its error message (the error, then its notes) and the node the ranks ran on."""
+    import ray
+
+    from recipe.main import run_reporting
+
+    def body():
+        trainer = _trainer(tmp_path, name, overrides)
+        try:
+            fault(trainer)
             trainer.fit()
-        assert "\n" not in str(info.value)
+        finally:
+            trainer.close()
+
+    with open(tmp_path / f"{name}.err", "w+") as err:
+        with contextlib.redirect_stderr(err):  # Ray's log lines come here too
+            status = run_reporting(body)
+        err.seek(0)
+        lines = err.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    message = [lines[start]] + [line for line in lines[start + 1:] if line.startswith("  (")]
+    return status, message, ray.util.get_node_ip_address()
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_that_dies_in_generation_is_named_and_the_run_resumes(tmp_path, fresh_ray):
+    """Rollout rank 1 ends (os._exit) while it generates step 3's batch, sent off during step 2: the
+    run ends at step 2's wait for that batch with one line naming the rank and its node, exit status 1,
+    and the same command resumes from step 1's checkpoint to the end."""
+    run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1"]
+    # generations from the start: 1 is step 1's batch, 2 step 2's (sent during step 1), 3 step 3's
+    status, message, node = _failed_run(tmp_path, "dies", run, lambda trainer: _plant(
+        trainer.rollout_workers.workers[1], "rollout.generate", 3, "exit"))
+    assert status == 1
+    assert re.fullmatch(rf"error: rollout worker rank 1 on node {re.escape(node)} died during generation: \w+",
+                        message[0]), message
+    checkpoint = tmp_path / "dies" / "checkpoints" / "global_step_1"
+    assert message[1:] == [f"  (in step 2; last completed step: 1; a re-run resumes from {checkpoint} (step 1))"]
+    resumed = _trainer(tmp_path, "dies", run)
+    try:
+        assert resumed.step == 1
+        resumed.fit()
     finally:
-        trainer.close()
+        resumed.close()
+    logged = {m["step"]: m for m in read_jsonl(str(tmp_path / "dies" / "metrics.jsonl"))}
+    assert sorted(logged) == [1, 2, 3]
+    # the resumed run makes its first batch afresh (step 2: current weights), then runs a step ahead
+    assert [logged[step]["async/staleness_max"] for step in (1, 2, 3)] == [0.0, 0.0, 1.0]
+
+
+ONE_ROLLOUT_RANK = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
+                    "actor_rollout_ref.rollout.n_gpus_per_node=1", "async_training.weight_sync_timeout_s=3"]
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_that_dies_in_the_weight_broadcast_is_named(tmp_path, fresh_ray):
+    """The rollout rank ends (os._exit) in step 1's weight broadcast, having received nothing: one line
+    naming it, its node and the weight sync, before any timeout could end the wait."""
+    status, message, node = _failed_run(tmp_path, "dies_in_sync", ONE_ROLLOUT_RANK, lambda trainer: _plant(
+        trainer.rollout_workers.workers[0], "weights.broadcast", 1, "exit"))
+    assert status == 1
+    assert re.fullmatch(rf"error: rollout worker rank 0 on node {re.escape(node)} died during weight sync: \w+",
+                        message[0]), message
+    assert message[1:] == [f"  (in step 1; last completed step: 0; a re-run starts fresh (no checkpoint in "
+                           f"{tmp_path / 'dies_in_sync' / 'checkpoints'}))"]
+
+
+@pytest.mark.slow
+def test_a_weight_broadcast_that_times_out_is_one_error_naming_the_weight_sync(tmp_path, fresh_ray):
+    """Training rank 0 stalls before step 1's broadcast (as it would behind a hung export): the rollout
+    rank gives up after async_training.weight_sync_timeout_s, and the run ends with one line saying the
+    weight sync failed, why and which key bounds the wait, the rank that raised it in a note."""
+    status, message, node = _failed_run(tmp_path, "stalls", ONE_ROLLOUT_RANK, lambda trainer: _plant(
+        trainer.workers.workers[0], "weights.broadcast", 1, "stall"))
+    assert status == 1
+    assert message == [
+        "error: weight sync to the rollout pool failed in the broadcast from training rank 0: Timed out waiting "
+        "3000ms for recv operation to complete (each rank waits async_training.weight_sync_timeout_s=3 s for the "
+        "others: raise it if the export is that slow, else a peer died or stalled)",
+        f"  (raised by rollout worker rank 0 on node {node} during weight sync)",
+        f"  (in step 1; last completed step: 0; a re-run starts fresh (no checkpoint in "
+        f"{tmp_path / 'stalls' / 'checkpoints'}))",
+    ]

@@ -13,26 +13,74 @@ from pathlib import Path
 import pytest
 
 from megatron_bridge.errors import ConfigError
-from recipe.compare.runs import VARIANT_FILE, _seeds, finished, plan_runs, variant_overrides
+from recipe.config import load_config
+from recipe.compare.runs import (VARIANT_FILE, _seeds, finished, plan_runs, read_training_pool, run_comparison,
+                                 variant_overrides)
 from recipe.tracking.loggers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
+TINY_POOL = (1, 2)  # the tiny recipes' training pool: one node, two CPU ranks
+ONE_STEP_OFF = ("async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false")
 
 
 def test_variant_names_make_overrides():
-    assert variant_overrides("gspo") == ("algo=gspo",)
-    assert variant_overrides("grpo_r2") == ("algo=grpo", "actor_rollout_ref.actor.megatron.router_replay.mode=R2")
-    assert variant_overrides("grpo_r3_tis") == (
+    assert variant_overrides("gspo", TINY_POOL) == ("algo=gspo",)
+    assert variant_overrides("grpo_r2", TINY_POOL) == ("algo=grpo",
+                                                       "actor_rollout_ref.actor.megatron.router_replay.mode=R2")
+    assert variant_overrides("grpo_r3_tis", TINY_POOL) == (
         "algo=grpo", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
         "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "algorithm.rollout_correction.rollout_is=token")
     for bad, says in (("ppo", "expected an algorithm"), ("grpo_r4", "parts after the algorithm"),
                       ("grpo_r2_r3", "at most one of r2, r3"), ("grpo_r2_r2", "distinct")):
         with pytest.raises(ConfigError, match=says):
-            variant_overrides(bad)
+            variant_overrides(bad, TINY_POOL)
+
+
+def test_async_variants_run_one_step_off_on_a_pool_as_large_as_the_training_pool():
+    pool = ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2")
+    assert variant_overrides("gspo_async1", TINY_POOL) == ("algo=gspo", *ONE_STEP_OFF, *pool)
+    assert variant_overrides("grpo_r2_async1", TINY_POOL) == (
+        "algo=grpo", "actor_rollout_ref.actor.megatron.router_replay.mode=R2", *ONE_STEP_OFF, *pool)
+    # the part's place in the name does not matter; the pool follows the recipe's training pool
+    assert variant_overrides("grpo_async1_tis", (2, 8)) == (
+        "algo=grpo", *ONE_STEP_OFF, "algorithm.rollout_correction.rollout_is=token",
+        "actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=8")
+    assert read_training_pool(str(REPO / "configs/recipe/tiny_gspo.yaml"), []) == TINY_POOL
+    overrides = list(variant_overrides("grpo_tis_async1", TINY_POOL))
+    cfg = load_config(str(REPO / "configs/recipe/tiny_grpo.yaml"), overrides)
+    assert cfg.async_training.mode == "one_step_off" and cfg.layout.separate_rollout
+    assert cfg.layout.rollout_world_size == 2 and cfg.layout.rollout.dp == 2  # the synchronous run's rollout layout
+
+
+@pytest.mark.parametrize("name, says", [
+    ("gspo_async2", "variant 'gspo_async2': async2: only async1 (async_training.mode=one_step_off, samples one "
+                    "policy version behind) exists yet; a staleness of 2 needs the fully asynchronous mode, which "
+                    "is not implemented; use gspo_async1"),
+    ("grpo_r2_async3", "a staleness of 3 needs the fully asynchronous mode, which is not implemented; use "
+                       "grpo_r2_async1"),
+    ("gspo_async0", "variant 'gspo_async0': async0 would be the synchronous run; leave the part out"),
+    ("gspo_async1_async1", "parts after the algorithm must be distinct"),
+    ("gspo_async", "parts after the algorithm must be distinct ones of r2, r3, tis, async1"),
+])
+def test_other_staleness_is_refused_in_one_line(name, says):
+    with pytest.raises(ConfigError, match=re.escape(says)) as info:
+        variant_overrides(name, TINY_POOL)
+    assert "\n" not in str(info.value)
+
+
+def test_r3_with_async_is_refused_naming_the_variant_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        run_comparison(str(REPO / "configs/recipe/tiny_grpo.yaml"), ["grpo", "grpo_r3_async1"], [1],
+                       str(tmp_path / "out"), [])
+    assert str(info.value).startswith("variant 'grpo_r3_async1': ")
+    assert "router_replay.mode=R3 with async_training.mode=one_step_off would replay routing chosen by the " \
+           "previous policy version" in str(info.value)
+    assert not (tmp_path / "out").exists()  # not even the first variant's directory
 
 
 def test_runs_share_seeds_and_keep_the_variant_last(tmp_path):
-    runs = plan_runs(str(tmp_path), ["grpo", "gspo_r2"], [1, 2], ["trainer.total_training_steps=3", "algo=gspo"])
+    runs = plan_runs(str(tmp_path), ["grpo", "gspo_r2"], [1, 2], ["trainer.total_training_steps=3", "algo=gspo"],
+                     TINY_POOL)
     assert [(r.variant, r.seed) for r in runs] == [("grpo", 1), ("gspo_r2", 1), ("grpo", 2), ("gspo_r2", 2)]
     first = runs[0]
     assert first.directory == str(tmp_path / "grpo" / "seed_1")
@@ -42,7 +90,7 @@ def test_runs_share_seeds_and_keep_the_variant_last(tmp_path):
 
 
 def test_a_run_is_finished_when_its_last_step_is_logged(tmp_path):
-    (run,) = plan_runs(str(tmp_path), ["grpo"], [1], [])
+    (run,) = plan_runs(str(tmp_path), ["grpo"], [1], [], TINY_POOL)
     assert not finished(run)
     Path(run.directory).mkdir(parents=True)
     (Path(run.directory) / VARIANT_FILE).write_text(json.dumps({"overrides": list(run.overrides)}))
@@ -54,7 +102,7 @@ def test_a_run_is_finished_when_its_last_step_is_logged(tmp_path):
         f.write(json.dumps({"step": 3, "critic/score/mean": 0.0}) + "\n")
     assert finished(run)
     # the same directory asked to hold other settings: refused, nothing overwritten
-    (other,) = plan_runs(str(tmp_path), ["grpo"], [1], ["actor_rollout_ref.actor.optim.lr=1e-4"])
+    (other,) = plan_runs(str(tmp_path), ["grpo"], [1], ["actor_rollout_ref.actor.optim.lr=1e-4"], TINY_POOL)
     with pytest.raises(ConfigError, match="holds a run with other settings") as info:
         finished(other)
     # both sides of the difference: what the directory has, what is asked
@@ -87,6 +135,10 @@ def test_bad_inputs_are_named_without_a_traceback(tmp_path):
     assert out.returncode == 2 and "train_batch_size" in out.stderr and not any(tmp_path.iterdir())
     out = _compare(str(tmp_path / "missing"), "--out", str(tmp_path / "report"))
     assert out.returncode == 2 and "missing" in out.stderr
+    out = _compare("--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo,gspo_async2",
+                   "--out", str(tmp_path))
+    assert out.returncode == 2 and not any(tmp_path.iterdir())
+    assert out.stderr.strip().splitlines()[-1].startswith("error: variant 'gspo_async2': async2: only async1 ")
 
 
 @pytest.mark.slow
@@ -115,6 +167,40 @@ def test_a_short_tiny_comparison_runs_end_to_end(tmp_path):
     assert (tmp_path / "report" / "report.md").is_file() and summary["plots"]["score.png"] == ["grpo", "gspo_r2"]
     again = _compare(*args)  # only reads the finished runs and writes the report
     assert again.returncode == 0 and again.stdout.count("(finished)") == 2 and "== [" not in again.stdout
+
+
+@pytest.mark.slow
+def test_an_async_variant_is_compared_with_its_synchronous_run(tmp_path):
+    """gspo and gspo_async1 on the tiny recipe for 2 steps: the same prompts at every step and the
+    same first step (async1's first batch is made under the initial weights and waited for); from
+    step 2 on async1's samples are one policy version behind, and the report shows the mode and the
+    staleness."""
+    args = ["--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo,gspo_async1", "--out", str(tmp_path),
+            "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "trainer.val_before_train=false"]
+    out = _compare(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sync, off = (read_jsonl(str(tmp_path / v / "seed_1" / "metrics.jsonl")) for v in ("gspo", "gspo_async1"))
+    assert [m["async/staleness_mean"] for m in off] == [0.0, 1.0]
+    assert [m["async/staleness_max"] for m in off] == [0.0, 1.0]
+    assert not any(key.startswith("async/") for m in sync for key in m)
+    assert [m["data/prompt_hash"] for m in off] == [m["data/prompt_hash"] for m in sync]
+    for key in ("critic/score/mean", "response_length/mean"):
+        assert off[0][key] == sync[0][key], key
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    stats = {v["variant"]: v["stats"] for v in summary["variants"]}
+    assert list(stats) == ["gspo", "gspo_async1"]
+    assert (stats["gspo_async1"]["staleness_mean"], stats["gspo_async1"]["staleness_max"]) == (0.5, 1.0)
+    assert (stats["gspo"]["staleness_mean"], stats["gspo"]["staleness_max"]) == (None, None)
+    report = (tmp_path / "report" / "report.md").read_text()
+    compared = report.split("## Runs compared")[1].split("##")[0]
+    assert [line.split(" | ")[-1].rstrip(" |") for line in compared.splitlines() if line.startswith("| gspo")] == [
+        "sync", "one_step_off"]
+    # the mode's keys, its pool and the IS correction it turns on are async1's name; the config table has them
+    assert "The variants differ only in what their names say" in report.split("## Same start")[0]
+    differences = report.split("## Config differences")[1].split("##")[0]
+    assert '| `algorithm.rollout_correction.rollout_is` | null | "token" |' in differences
+    assert '| `actor_rollout_ref.rollout.n_gpus_per_node` | null | 2 |' in differences
 
 
 @pytest.mark.slow

@@ -53,6 +53,13 @@ def _full_records(scores, grads, rng, drop=()):
     return records
 
 
+def _one_step_off(records):
+    """A one_step_off run's staleness: its step 1 is made under the current weights, later ones a version behind."""
+    for record in records[1:]:
+        record["async/staleness_mean"] = record["async/staleness_max"] = float(record["step"] > 1)
+    return records
+
+
 def _collapsing():
     # s(15) = mean(0.55 .. 0.75) = 0.65 is the best; s(16) = 0.34 (drop 0.31), s(17) = 0.02 (drop 0.63 > 0.5).
     scores = [0.05 * step if step < 16 else -1.0 for step in range(1, 31)]
@@ -83,7 +90,7 @@ def runs(tmp_path_factory):
     records = {
         "grpo_s0": _full_records(*_collapsing(), rng),
         "grpo_s1": _full_records(*_noisy(rng), rng, drop=(DIFF,)),
-        "gspo_s0": _full_records(*_noisy(rng), rng),
+        "gspo_s0": _one_step_off(_full_records(*_noisy(rng), rng)),
         "grpo_r2": [{"step": step, SCORE: score, GRAD: grad, CLIP: 0.1 * step, TIME: 5.0, "response_length/mean": 200}
                     for step, (score, grad) in enumerate(zip(*_spike_without_drop()), start=1)],
     }
@@ -122,6 +129,8 @@ def _expected(variant_records, window=5):
         "routing_drift_mean": (DRIFT, statistics.mean),
         "probs_diff_mean": (DIFF, statistics.mean),
         "k3_kl_mean": ("rollout_corr/k3_kl", statistics.mean),
+        "staleness_mean": ("async/staleness_mean", statistics.mean),
+        "staleness_max": ("async/staleness_max", max),
         "wall_time_s": (TIME, sum),
     }
     out = {}
@@ -145,6 +154,8 @@ def test_summary_json_numbers_equal_the_metrics_files(runs, written):
     assert (r2["runs"][0]["seed"], r2["runs"][0]["steps"]) == (None, 25)
     assert [(r["unstable_kind"], r["unstable_step"]) for r in grpo["runs"]] == [("collapse", COLLAPSE_STEP), (None, None)]
     assert gspo["runs"][0]["unstable_step"] is None and r2["runs"][0]["unstable_step"] is None
+    assert (gspo["stats"]["staleness_mean"], gspo["stats"]["staleness_max"]) == (pytest.approx(29 / 30), 1.0)
+    assert grpo["stats"]["staleness_mean"] is None  # synchronous runs do not log it
     assert all(r["rule_checked"] for v in data["variants"] for r in v["runs"])
     assert data == json.loads(json.dumps(report.asdict(summary)))  # the return value is what was written
 
@@ -177,7 +188,8 @@ def test_report_md_table_equals_the_metrics_files(runs, written):
     columns = {f"{SCORE} first 5": "score_first_window", f"{SCORE} last 5": "score_last_window",
                f"{VAL} first": "val_first", f"{VAL} last": "val_last", f"peak {GRAD}": "grad_norm_peak",
                f"mean {CLIP}": "clipfrac_mean", f"mean {DRIFT}": "routing_drift_mean",
-               f"mean {DIFF}": "probs_diff_mean", "wall time (s)": "wall_time_s"}
+               f"mean {DIFF}": "probs_diff_mean", "mean async/staleness_mean": "staleness_mean",
+               "wall time (s)": "wall_time_s"}
     rows = _markdown_table(text)
     assert [row["variant"] for row in rows] == ["grpo", "gspo", "grpo_r2"]
     for row in rows:
@@ -459,8 +471,16 @@ def test_differences_beyond_the_variant_names_are_named_as_confounds():
     aligned = {"grpo": [_run("grpo", s, _config("vanilla", False, s)) for s in (1, 2)],
                "grpo_r2": [_run("grpo_r2", s, _config("vanilla", False, s, "R2")) for s in (1, 2)],
                "gspo": [_run("gspo", s, _config("gspo", False, s)) for s in (1, 2)]}
-    assert report.confounds(aligned) == [
-        "The variants differ only in what their names say (the algorithm and its loss, replay, rollout correction)."]
+    named = ("The variants differ only in what their names say (the algorithm and its loss, replay, rollout "
+             "correction, asynchronous mode).")
+    assert report.confounds(aligned) == [named]
+    # async1's keys (the mode, its own pool and that pool's size) are its name, not a confound
+    sync, off = _config("gspo", False, 1), _config("gspo", False, 1)
+    sync |= {"async_training": {"mode": "sync"}}
+    sync["actor_rollout_ref"] |= {"hybrid_engine": True, "rollout": {"nnodes": None, "n_gpus_per_node": None}}
+    off |= {"async_training": {"mode": "one_step_off"}}
+    off["actor_rollout_ref"] |= {"hybrid_engine": False, "rollout": {"nnodes": 1, "n_gpus_per_node": 2}}
+    assert report.confounds({"gspo": [_run("gspo", 1, sync)], "gspo_async1": [_run("gspo_async1", 1, off)]}) == [named]
     # grpo with a KL loss that gspo lacks: named, with each variant's value
     kl = {"grpo": [_run("grpo", 1, _config("vanilla", True, 1))], "gspo": [_run("gspo", 1, _config("gspo", False, 1))]}
     text = "\n".join(report.confounds(kl))

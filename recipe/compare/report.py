@@ -27,11 +27,13 @@ directory is refused):
 - ``report.md``: the settings in which variants differ beyond their names (``confounds``); whether
   the runs started from the same weights and saw the same prompts (``same_start``: the
   fingerprints of ``provenance.json``, ``data/prompt_hash`` per step and seed); the runs compared
-  (variant, seed, directory, steps); a table, one row per variant,
+  (variant, seed, directory, steps, ``async_training.mode`` from ``config.json``); a table, one row per variant,
   of the first and last ``window``-step mean of ``critic/score/mean`` (over the first/last
   min(window, n) logged values), the first and last logged ``val/score/mean``, the peak
   ``actor/grad_norm``, the mean ``actor/pg_clipfrac``, ``moe/routing_drift/slot_frac`` and
-  ``training/rollout_probs_diff_mean``, the wall time (sum of ``timing_s/step``, s) and where the
+  ``training/rollout_probs_diff_mean``, the mean ``async/staleness_mean`` (policy versions the samples
+  were behind: 1 from step 2 on one step off policy, not logged by synchronous runs; ``summary.json``
+  also has the largest ``async/staleness_max``), the wall time (sum of ``timing_s/step``, s) and where the
   instability rule fired and which kind of flag it gave, per seed. Every number of a variant is the
   mean over its seeds of each seed's own value (seeds lacking the metric left out); steps are listed
   per seed. Then the table in the R3 paper's shape (``r3_table``), the rule with its parameters,
@@ -94,6 +96,8 @@ SPIKE_METRICS = (GRAD_NORM, PPO_KL)  # a burst of either, with the score falling
 DRIFT = "moe/routing_drift/slot_frac"
 K3_KL = "rollout_corr/k3_kl"
 STEP_TIME = "timing_s/step"
+STALENESS = "async/staleness_mean"
+STALENESS_MAX = "async/staleness_max"
 VARIANT_FILE = "variant.json"
 CONFIG_FILE = "config.json"
 PROVENANCE_FILE = "provenance.json"  # the trainer's record of the run's start (recipe.driver.checkpoint)
@@ -191,6 +195,11 @@ class Run:
     def finite(self, key: str) -> list[float]:
         return [value for _, value in self.series.get(key, []) if math.isfinite(value)]
 
+    @property
+    def mode(self) -> str | None:
+        """``async_training.mode`` from config.json (``sync`` where the key predates the modes); None without one."""
+        return None if self.config is None else self.config.get("async_training", {}).get("mode", "sync")
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -205,6 +214,8 @@ class Stats:
     routing_drift_mean: float | None
     probs_diff_mean: float | None
     k3_kl_mean: float | None  # the train-rollout KL (rollout_corr/k3_kl)
+    staleness_mean: float | None  # policy versions behind (one_step_off: 0 at step 1, then 1)
+    staleness_max: float | None
     wall_time_s: float | None
 
 
@@ -393,6 +404,8 @@ def run_stats(run: Run, window: int) -> Stats:
         routing_drift_mean=_mean(run.finite(DRIFT)),
         probs_diff_mean=_mean(run.finite("training/rollout_probs_diff_mean")),
         k3_kl_mean=_mean(run.finite(K3_KL)),
+        staleness_mean=_mean(run.finite(STALENESS)),
+        staleness_max=max(run.finite(STALENESS_MAX), default=None),
         wall_time_s=math.fsum(run.finite(STEP_TIME)) if STEP_TIME in run.series else None,
     )
 
@@ -559,10 +572,10 @@ def _shorten(text: str, width: int = 60) -> str:
 
 def _named_by_variant() -> set[str]:
     """The config keys a variant's name sets (``recipe.compare.runs``): the algorithm and its loss
-    mode, and each part's overrides."""
-    from recipe.compare.runs import VARIANT_PARTS
+    mode, and each part's overrides (an async part's rollout pool too)."""
+    from recipe.compare.runs import ROLLOUT_POOL_KEYS, VARIANT_PARTS
 
-    return {"algo", "actor_rollout_ref.actor.policy_loss.loss_mode",
+    return {"algo", "actor_rollout_ref.actor.policy_loss.loss_mode", *ROLLOUT_POOL_KEYS,
             *(override.split("=")[0] for overrides in VARIANT_PARTS.values() for override in overrides)}
 
 
@@ -578,7 +591,7 @@ def confounds(groups: dict[str, list[Run]]) -> list[str]:
     differing = [key for key in keys if len({values.get(key) for configs in flat.values() for values in configs}) > 1]
     if not differing:
         return ["The variants differ only in what their names say (the algorithm and its loss, replay, "
-                "rollout correction)."]
+                "rollout correction, asynchronous mode)."]
     rows = [[f"`{key}`", *(cell(_shorten(" / ".join(sorted({str(v.get(key, MISSING)) for v in flat[variant]}))))
                            for variant in groups)] for key in differing]
     return ["**The variants also differ in these settings**: part of any difference between them may come "
@@ -637,6 +650,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (  # header ({w}: the window), Stats
     ("mean actor/pg_clipfrac", "clipfrac_mean", ".4g"),
     (f"mean {DRIFT}", "routing_drift_mean", ".4g"),
     ("mean training/rollout_probs_diff_mean", "probs_diff_mean", ".4g"),
+    (f"mean {STALENESS}", "staleness_mean", ".4g"),
     ("wall time (s)", "wall_time_s", ".1f"),
 )
 
@@ -686,8 +700,8 @@ def r3_table(summary: Summary, groups: dict[str, list[Run]]) -> list[str]:
 def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
     window = summary.rule.window
     runs = [run for group in groups.values() for run in group]
-    compared = markdown_table(["variant", "seed", "run directory", "steps"],
-                      [[cell(r.variant), cell(r.seed), f"`{r.path}`", str(r.steps)] for r in runs])
+    compared = markdown_table(["variant", "seed", "run directory", "steps", "mode"],
+                      [[cell(r.variant), cell(r.seed), f"`{r.path}`", str(r.steps), cell(r.mode)] for r in runs])
     rows = []
     for variant in summary.variants:
         steps = sorted({r.steps for r in variant.runs})
@@ -706,7 +720,8 @@ def render_markdown(summary: Summary, groups: dict[str, list[Run]]) -> str:
         "## Summary", "",
         f"Per variant, the mean over its seeds of each seed's own value (\"{MISSING}\": not logged). "
         f"`{SCORE}` first/last {window}: the mean of the first/last {window} logged values; "
-        f"`{VAL_SCORE}` first/last: the first/last logged value; wall time: the sum of `{STEP_TIME}`. "
+        f"`{VAL_SCORE}` first/last: the first/last logged value; `{STALENESS}`: policy versions the samples "
+        f"were behind (asynchronous modes only); wall time: the sum of `{STEP_TIME}`. "
         "\"unstable\": the step where the instability rule fired, per seed.", "",
         *table, "",
         "## In the R3 paper's shape", "",

@@ -1,4 +1,5 @@
-"""Compare GRPO, GRPO with routing replay and GSPO on the same prompts, seeds and initial weights.
+"""Compare GRPO, GRPO with routing replay and GSPO on the same prompts, seeds and initial weights,
+synchronous or one step off policy.
 
     python -m recipe.compare --config configs/recipe/tiny_stability.yaml --variants grpo,grpo_r2,gspo \\
         [--seeds 1,2,3] [--out runs/compare/NAME] [key.sub=value ...]
@@ -6,7 +7,13 @@
 
 A variant is an algorithm (``grpo``, ``gspo``: ``configs/algo``) and optional parts joined by
 ``_``: ``r2`` / ``r3`` (routing replay), ``tis`` (token-level truncated IS rollout correction),
-e.g. ``grpo_r2``, ``gspo_r3``, ``grpo_tis``. Every variant of one seed runs with that seed as
+``asyncK`` (samples K policy versions behind the update: ``async1`` is
+``async_training.mode=one_step_off``, the only one yet, on a rollout pool of its own as large as
+the recipe's training pool, ``trainer.nnodes`` x ``n_gpus_per_node``), e.g. ``grpo_r2``,
+``gspo_r3``, ``grpo_tis``, ``gspo_async1``. async1 also turns the token-level IS correction on
+(the mode's default unless the overrides set ``rollout_is``, docs/async.md), so ``gspo_tis`` is
+its synchronous counterpart; r3 with async1 is refused with the config's reason before anything
+runs. Every variant of one seed runs with that seed as
 ``trainer.seed`` (sampling) and ``data.seed`` (prompt order), from the recipe's checkpoint, so the
 first step of every variant sees the same prompts and samples the same responses; each run logs
 ``data/prompt_hash`` per step and writes ``provenance.json`` (initial weights) to show it.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -35,7 +43,11 @@ VARIANT_PARTS: dict[str, tuple[str, ...]] = {
     "r3": ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
     "tis": ("algorithm.rollout_correction.rollout_is=token",),
+    "async1": ("async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false"),
 }
+ASYNC_PART = re.compile(r"async(\d+)")
+# the rollout pool an async part gives the variant: as large as the training pool (pool_overrides)
+ROLLOUT_POOL_KEYS = ("actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node")
 DEFAULT_VARIANTS = "grpo,grpo_r2,gspo"
 VARIANT_FILE = "variant.json"
 REPORT_DIR = "report"
@@ -49,26 +61,59 @@ class Run:
     overrides: tuple[str, ...]  # the user's, then the variant's
 
 
-def variant_overrides(name: str) -> tuple[str, ...]:
-    """The recipe overrides that make variant ``name``."""
+def variant_overrides(name: str, training_pool: tuple[int, int]) -> tuple[str, ...]:
+    """The recipe overrides that make variant ``name``; ``training_pool`` is the recipe's
+    (``trainer.nnodes``, ``trainer.n_gpus_per_node``), the size an async part gives the rollout pool."""
     algo, *parts = name.split("_")
     if algo not in ALGOS:
         raise ConfigError(f"variant {name!r}: starts with {algo!r}, expected an algorithm: {', '.join(ALGOS)}")
+    for part in parts:
+        _refuse_other_staleness(name, part)
     unknown = [p for p in parts if p not in VARIANT_PARTS]
     if unknown or len(set(parts)) < len(parts) or {"r2", "r3"} <= set(parts):
         raise ConfigError(f"variant {name!r}: parts after the algorithm must be distinct ones of "
                           f"{', '.join(VARIANT_PARTS)} (at most one of r2, r3), e.g. grpo_r2")
-    return (f"algo={algo}",) + tuple(o for p in parts for o in VARIANT_PARTS[p])
+    overrides = (f"algo={algo}",) + tuple(o for p in parts for o in VARIANT_PARTS[p])
+    return overrides + (pool_overrides(training_pool) if "async1" in parts else ())
 
 
-def plan_runs(out: str, variants: list[str], seeds: list[int], overrides: list[str]) -> list[Run]:
+def _refuse_other_staleness(name: str, part: str) -> None:
+    """An ``asyncK`` part other than async1: one line saying what exists."""
+    found = ASYNC_PART.fullmatch(part)
+    staleness = int(found.group(1)) if found else 1
+    if staleness == 1:
+        return  # async1, or not an async part (checked with the others)
+    if staleness == 0:
+        raise ConfigError(f"variant {name!r}: {part} would be the synchronous run; leave the part out")
+    raise ConfigError(f"variant {name!r}: {part}: only async1 (async_training.mode=one_step_off, samples one "
+                      f"policy version behind) exists yet; a staleness of {staleness} needs the fully "
+                      f"asynchronous mode, which is not implemented; use {name.replace(part, 'async1')}")
+
+
+def pool_overrides(training_pool: tuple[int, int]) -> tuple[str, ...]:
+    """A rollout pool as large as the training pool: the rollout's TP x DP layout stays the
+    synchronous run's, so both generate step 1 alike."""
+    return tuple(f"{key}={size}" for key, size in zip(ROLLOUT_POOL_KEYS, training_pool))
+
+
+def read_training_pool(config: str, overrides: list[str]) -> tuple[int, int]:
+    """(``trainer.nnodes``, ``trainer.n_gpus_per_node``) of the recipe with the user's overrides."""
+    from recipe.config import load_config
+
+    cluster = load_config(config, overrides).layout.cluster
+    return cluster.nnodes, cluster.devices_per_node
+
+
+def plan_runs(out: str, variants: list[str], seeds: list[int], overrides: list[str],
+              training_pool: tuple[int, int]) -> list[Run]:
     runs = []
     for seed in seeds:
         for variant in variants:
             directory = os.path.join(out, variant, f"seed_{seed}")
             own = (f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.default_local_dir={directory}",
                    f"trainer.experiment_name={variant}_seed{seed}", "trainer.resume_mode=auto")
-            runs.append(Run(variant, seed, directory, tuple(overrides) + own + variant_overrides(variant)))
+            runs.append(Run(variant, seed, directory,
+                            tuple(overrides) + own + variant_overrides(variant, training_pool)))
     return runs
 
 
@@ -112,13 +157,22 @@ def _start_state(run: Run, cfg) -> str:
     return f"resuming from step {json.loads((resume / TRAINER_STATE).read_text())['step']}"
 
 
+def _load(config: str, run: Run):
+    """The run's config; an error names the variant (a combination the config refuses, e.g. r3 with async1)."""
+    from recipe.config import load_config
+
+    try:
+        return load_config(config, list(run.overrides))
+    except ConfigError as e:
+        raise ConfigError(f"variant {run.variant!r}: {e}") from None
+
+
 def run_comparison(config: str, variants: list[str], seeds: list[int], out: str, overrides: list[str]) -> list[Run]:
     """Check every run's config first, then train the runs that are not finished."""
-    from recipe.config import load_config
     from recipe.driver.trainer import train
 
-    runs = plan_runs(out, variants, seeds, overrides)
-    configs = [load_config(config, list(run.overrides)) for run in runs]  # every error before anything runs
+    runs = plan_runs(out, variants, seeds, overrides, read_training_pool(config, overrides))
+    configs = [_load(config, run) for run in runs]  # every error before anything runs
     todo = [(run, cfg) for run, cfg in zip(runs, configs) if not finished(run)]
     for run, cfg in zip(runs, configs):
         state = "finished" if not any(run is r for r, _ in todo) else _start_state(run, cfg)
@@ -139,7 +193,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Run GRPO / GSPO variants on the same prompts, seeds and weights, then write the comparison "
         "report; or, given finished run directories, only the report.",
         epilog=f"variants: an algorithm ({', '.join(ALGOS)}) and parts {', '.join(VARIANT_PARTS)} joined by _, "
-        "e.g. grpo,grpo_r2,gspo. Exit status: 0 done, 1 a run failed, 2 bad input.",
+        "e.g. grpo,grpo_r2,gspo,gspo_async1 (async1: one step off policy, on a rollout pool as large as the "
+        "training pool). Exit status: 0 done, 1 a run failed, 2 bad input.",
     )
     p.add_argument("--config", help="recipe YAML or shipped name: run the variants (else: report on RUN_DIRs)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variants (default: %(default)s)")

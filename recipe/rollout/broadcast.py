@@ -11,6 +11,10 @@ same layout (``TransferPlan``, sent once at start-up) and hands views of it to i
 ``load_weights``, which copies each before pulling the next (the stream's contract). One bucket is in
 flight at a time, so neither side holds more than one bucket beyond its model.
 
+Every operation of the group (joining it, each bucket's broadcast) waits at most
+``async_training.weight_sync_timeout_s`` for its peers; a peer that died or stalled fails it as a
+``WeightSyncError`` of one line, never a hang.
+
 gloo serves the CPU; a device pool would build the same group with ``ProcessGroupNCCL`` (or
 HCCL's) on device buffers, which has not run yet (docs/async.md).
 """
@@ -18,6 +22,7 @@ HCCL's) on device buffers, which has not run yet (docs/async.md).
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,10 +33,12 @@ import torch.distributed as dist
 
 from megatron_bridge.weights.export import WeightExporter
 
-# A sync starts only once the rollout ranks are idle (the driver waits for their generation
-# first), so this bounds the transfer itself and a peer that died during it.
-GROUP_TIMEOUT_S = 600
 SENDER = 0  # training rank 0 is rank 0 of the weight group; rollout rank i is rank i + 1
+TIMEOUT_KEY = "async_training.weight_sync_timeout_s"
+
+
+class WeightSyncError(RuntimeError):
+    """The weight group's transfer failed on this rank: a peer died or did not answer in time."""
 
 
 @dataclass(frozen=True)
@@ -54,18 +61,38 @@ class TransferPlan:
 
 
 class WeightGroup:
-    """This process's member of the weight group (``rank`` 0: the sender, which hosts the store)."""
+    """This process's member of the weight group (``rank`` 0: the sender, which hosts the store).
+    A sync starts only once the rollout ranks are idle (the driver waits for their generation
+    first), so ``timeout_s`` bounds the transfer itself and a peer that died or stalled during it."""
 
-    def __init__(self, host: str, port: int, rank: int, size: int):
-        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-        store = dist.TCPStore(host, port, size, rank == SENDER, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, size, timeout)
+    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(host, port, size, rank == SENDER, timeout=timeout)
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, size, timeout)
+        except RuntimeError as e:  # the store's host, or a peer, never came
+            raise self._failed("joining the weight group", e) from e
         self.store = store  # the sender's store serves the group for its whole life
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = SENDER
-        self.group.broadcast([tensor], options).wait()
+        try:
+            self.group.broadcast([tensor], options).wait()
+        except RuntimeError as e:  # gloo: a peer's connection closed, or no peer within the timeout
+            raise self._failed("the broadcast from training rank 0", e) from e
+
+    def _failed(self, what: str, error: RuntimeError) -> WeightSyncError:
+        return WeightSyncError(f"weight sync to the rollout pool failed in {what}: {_first_line(error)} (each rank "
+                               f"waits {TIMEOUT_KEY}={self.timeout_s:g} s for the others: raise it if the export "
+                               "is that slow, else a peer died or stalled)")
+
+
+def _first_line(error: Exception) -> str:
+    """The error's first line without the "[file.cc:line] " prefix of torch's C++ errors."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0])
 
 
 def send(exporter: WeightExporter, plan: TransferPlan, group: WeightGroup | None) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Ray plumbing: one Ray actor per device, placed node by node with placement groups, and calls to
-all of them that turn a dead worker into a message naming it and a worker's refusal of its input
-(``INPUT_ERRORS``) into that error, without Ray's wrapping.
+all of them that turn a dead worker into a message naming it and its node, and a worker's refusal of its
+input or a failed weight sync (``NAMED_ERRORS``) into that error, without Ray's wrapping.
 
 A pool (``Pool``) is the ranks of one kind: colocated, one ``recipe.workers.colocated.Worker`` per
 training device; with a rollout pool of its own, ``recipe.workers.separate``'s training ranks and,
@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.layout import Layout
+from recipe.rollout.broadcast import WeightSyncError
 from recipe.workers.colocated import RankInfo, Worker
 
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
@@ -28,8 +29,10 @@ PLACEMENT_TIMEOUT_S = 120
 PEERS_TIMEOUT_S = 30
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 # What a worker raises about its input (a file, a key): the driver re-raises it as it is, naming the
-# worker; anything else keeps Ray's report with the worker's traceback.
+# worker, as it does a weight sync that failed on a worker (its message names what failed and the
+# timeout); anything else keeps Ray's report with the worker's traceback.
 INPUT_ERRORS = (ConfigError, OSError)
+NAMED_ERRORS = (*INPUT_ERRORS, WeightSyncError)
 
 
 class ClusterError(RuntimeError):
@@ -111,6 +114,8 @@ class WorkerGroup:
         self.pool, self.world_size = pool, pool.size
         resource = DEVICE_RESOURCE[device]
         nodes = pick_nodes(ray.nodes(), pool.nnodes, pool.devices_per_node, resource, pool.keys)
+        # rank r runs on node r // devices_per_node: what a message about rank r names
+        self.node_ips = [n["NodeManagerAddress"] for n in nodes for _ in range(pool.devices_per_node)]
         cpus_per_worker = 1
         if resource is None:  # CPU: share each node's cores between its ranks
             cpus_per_worker = max(1, min(int(n["Resources"].get("CPU", 1)) for n in nodes) // cpu_ranks_per_node)
@@ -160,7 +165,7 @@ class WorkerGroup:
             raise WorkerDiedError(f"{self._who(refs, ray.exceptions.RayActorError)} died during {phase}: "
                                   f"{e.__class__.__name__}") from e
         except ray.exceptions.RayTaskError as e:
-            if not isinstance(e.cause, INPUT_ERRORS):
+            if not isinstance(e.cause, NAMED_ERRORS):
                 raise
             e.cause.add_note(f"raised by {self._who(refs, ray.exceptions.RayTaskError)} during {phase}")
             raise e.cause from None
@@ -172,8 +177,7 @@ class WorkerGroup:
         return ", ".join(self._describe(r) for r, ref in enumerate(refs) if _failed(ref, error)) or "a worker"
 
     def _describe(self, rank: int) -> str:
-        node = f" on node {self.infos[rank].node_ip}" if rank < len(self.infos) else ""
-        return f"{self.pool.label} rank {rank}{node}"
+        return f"{self.pool.label} rank {rank} on node {self.node_ips[rank]}"
 
     def close(self) -> None:
         for worker in getattr(self, "workers", []):

@@ -38,6 +38,7 @@ class TrainerWorker(Worker):
                                  platform.name, 1, make_room=self._sleep_rollout, weight_receivers=1)
         self.plan = TransferPlan.of(self.actor.exporter)
         self.weights = None  # the weight group, on rank 0 once joined
+        self.weights_timeout_s = cfg.async_training.weight_sync_timeout_s
         return self._info()
 
     def _sleep_rollout(self) -> None:
@@ -50,7 +51,7 @@ class TrainerWorker(Worker):
         """Rank 0: open the weight group (it hosts the store) with the rollout ranks."""
         from recipe.rollout.broadcast import SENDER, WeightGroup
 
-        self.weights = WeightGroup(host, port, SENDER, size)
+        self.weights = WeightGroup(host, port, SENDER, size, self.weights_timeout_s)
 
     def sync_weights(self) -> dict[str, float]:
         from recipe.rollout.broadcast import send
@@ -75,11 +76,12 @@ class RolloutRank:
         platform = activate(cfg.layout.cluster.device)
         self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name)
         self.weights = self.plan = None
+        self.weights_timeout_s = cfg.async_training.weight_sync_timeout_s
 
     def join_weights(self, host: str, port: int, size: int, plan: TransferPlan) -> None:
         from recipe.rollout.broadcast import WeightGroup
 
-        self.weights, self.plan = WeightGroup(host, port, self.rank + 1, size), plan
+        self.weights, self.plan = WeightGroup(host, port, self.rank + 1, size, self.weights_timeout_s), plan
 
     def generate(self, prompts: list[list[int]], request_ids: list[int],
                  params: SamplingParams) -> tuple[Generation, float]:
