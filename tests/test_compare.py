@@ -169,6 +169,44 @@ def test_a_short_tiny_comparison_runs_end_to_end(tmp_path):
     assert again.returncode == 0 and again.stdout.count("(finished)") == 2 and "== [" not in again.stdout
 
 
+def test_stability_presets_set_their_trigger():
+    """tiny_stability_offpolicy: 8 optimizer steps per RL step at matching precision;
+    tiny_stability_gap: one optimizer step per RL step and a bf16 engine beside the fp32 trainer."""
+    for name, updates, rollout_dtype in (("tiny_stability_offpolicy", 8, "float32"),
+                                         ("tiny_stability_gap", 1, "bfloat16")):
+        cfg = load_config(f"configs/recipe/{name}.yaml")
+        arr = cfg.actor_rollout_ref
+        assert cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size == updates, name
+        assert (arr.model.dtype, arr.rollout.dtype) == ("float32", rollout_dtype), name
+
+
+@pytest.mark.slow
+def test_the_stability_presets_run_in_a_comparison(tmp_path):
+    """Both trigger presets end to end in recipe.compare, 2 steps each: under the gap preset the
+    engine's bf16 policy differs from the trainer's at every step (the fp32 ceilings of
+    tests/test_recipe_e2e.py are 1e-5 mean probability gap and 1e-6 k3 KL; bf16 measured 2e-4 and
+    2e-5 at least); under the off-policy preset, at matching precision, it does not."""
+    short = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",
+             "trainer.val_before_train=false"]
+    for preset, variants in (("gap", "grpo_tis,gspo_r3"), ("offpolicy", "grpo_r2")):
+        out = _compare("--config", f"configs/recipe/tiny_stability_{preset}.yaml", "--variants", variants,
+                       "--out", str(tmp_path / preset), *short)
+        assert out.returncode == 0, out.stderr[-3000:]
+        summary = json.loads((tmp_path / preset / "report" / "summary.json").read_text())
+        assert [v["variant"] for v in summary["variants"]] == variants.split(",")
+        for variant in variants.split(","):
+            metrics = read_jsonl(str(tmp_path / preset / variant / "seed_1" / "metrics.jsonl"))
+            assert [m["step"] for m in metrics] == [1, 2]
+            for m in metrics:
+                gap, kl = m["training/rollout_probs_diff_mean"], m["rollout_corr/k3_kl"]
+                if preset == "gap":
+                    assert gap > 5e-5 and kl > 5e-6, (variant, m["step"], gap, kl)
+                else:
+                    assert gap < 1e-5 and abs(kl) < 1e-6, (variant, m["step"], gap, kl)
+            replayed = "moe/replay_override/slot_frac" in metrics[-1]
+            assert replayed == ("_r" in variant), variant
+
+
 @pytest.mark.slow
 def test_an_async_variant_is_compared_with_its_synchronous_run(tmp_path):
     """gspo and gspo_async1 on the tiny recipe for 2 steps: the same prompts at every step and the
@@ -196,8 +234,11 @@ def test_an_async_variant_is_compared_with_its_synchronous_run(tmp_path):
     compared = report.split("## Runs compared")[1].split("##")[0]
     assert [line.split(" | ")[-1].rstrip(" |") for line in compared.splitlines() if line.startswith("| gspo")] == [
         "sync", "one_step_off"]
-    # the mode's keys, its pool and the IS correction it turns on are async1's name; the config table has them
-    assert "The variants differ only in what their names say" in report.split("## Same start")[0]
+    # the mode's keys and its pool are async1's name; the IS correction it turns on by default is not,
+    # so the report names it as a difference beyond the names
+    beyond = report.split("## Differences beyond the variant names")[1].split("##")[0]
+    assert '| `algorithm.rollout_correction.rollout_is` | null | "token" |' in beyond
+    assert "n_gpus_per_node" not in beyond and "async_training.mode" not in beyond
     differences = report.split("## Config differences")[1].split("##")[0]
     assert '| `algorithm.rollout_correction.rollout_is` | null | "token" |' in differences
     assert '| `actor_rollout_ref.rollout.n_gpus_per_node` | null | 2 |' in differences

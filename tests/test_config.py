@@ -337,8 +337,9 @@ def test_every_shipped_recipe_loads_and_round_trips(name, tmp_path):
     assert load_config(str(dump)) == cfg
 
 
-def test_shipped_recipes_are_the_four_twins_and_the_stability_preset():
-    assert sorted(shipped("recipe")) == sorted([n for pair in TWINS for n in pair] + ["tiny_stability"])
+def test_shipped_recipes_are_the_four_twins_and_the_stability_presets():
+    presets = ["tiny_stability", "tiny_stability_offpolicy", "tiny_stability_gap"]
+    assert sorted(shipped("recipe")) == sorted([n for pair in TWINS for n in pair] + presets)
     assert sorted(shipped("algo")) == ["grpo", "gspo"]
 
 

@@ -481,6 +481,14 @@ def test_differences_beyond_the_variant_names_are_named_as_confounds():
     off |= {"async_training": {"mode": "one_step_off"}}
     off["actor_rollout_ref"] |= {"hybrid_engine": False, "rollout": {"nnodes": 1, "n_gpus_per_node": 2}}
     assert report.confounds({"gspo": [_run("gspo", 1, sync)], "gspo_async1": [_run("gspo_async1", 1, off)]}) == [named]
+    # the IS correction async1 turns on by default is not in its name: a confound against gspo, not
+    # against gspo_tis, whose name sets it
+    sync["algorithm"], off["algorithm"] = {"rollout_correction": {"rollout_is": None}}, {"rollout_correction": {"rollout_is": "token"}}
+    text = "\n".join(report.confounds({"gspo": [_run("gspo", 1, sync)], "gspo_async1": [_run("gspo_async1", 1, off)]}))
+    assert "| `algorithm.rollout_correction.rollout_is` | null | \"token\" |" in text
+    tis = {**sync, "algorithm": {"rollout_correction": {"rollout_is": "token"}}}
+    assert report.confounds({"gspo_tis": [_run("gspo_tis", 1, tis)], "gspo_async1": [_run("gspo_async1", 1, off)]}) == [named]
+    assert report.confounds({"gspo": [_run("gspo", 1, sync)], "gspo_tis": [_run("gspo_tis", 1, tis)]}) == [named]
     # grpo with a KL loss that gspo lacks: named, with each variant's value
     kl = {"grpo": [_run("grpo", 1, _config("vanilla", True, 1))], "gspo": [_run("gspo", 1, _config("gspo", False, 1))]}
     text = "\n".join(report.confounds(kl))

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from loss import PolicyLossSettings
 from loss.policy import compute_policy_loss
+from megatron_bridge.plan.model_spec import load_hf_config
 from megatron_bridge.weights.hf_checkpoint import HFCheckpoint
 from recipe.data import tiny_task
 from recipe.driver.advantage import grpo_advantages, token_advantages
@@ -188,6 +189,16 @@ def test_prepare_builtin_builds_other_tiny_shapes_apart(tmp_path):
         tiny_task.prepare_builtin(tmp_path, seed=0, model="qwen3_30b_a3b")
 
 
+def test_the_deep_shape_is_deeper_and_routes_like_qwen3_30b():
+    """tiny_qwen3_moe_deep: twice the layers of the tiny model and Qwen3-30B-A3B's ratio of experts
+    to routed experts (128 / 8), with the expert width of tiny_qwen3_moe_32e."""
+    deep, tiny, wide, big = (load_hf_config(n) for n in ("tiny_qwen3_moe_deep", tiny_task.TINY,
+                                                          "tiny_qwen3_moe_32e", "qwen3_30b_a3b"))
+    assert deep["num_hidden_layers"] == 2 * tiny["num_hidden_layers"] == 8
+    assert deep["num_experts"] / deep["num_experts_per_tok"] == big["num_experts"] / big["num_experts_per_tok"] == 16
+    assert deep["moe_intermediate_size"] == wide["moe_intermediate_size"]
+
+
 def test_prepare_builtin_refuses_an_incomplete_cache(tmp_path):
     (tmp_path / f"{tiny_task.CACHE_VERSION}_seed0_warmup1").mkdir()
     with pytest.raises(tiny_task.TinyTaskError, match="incomplete .* delete it and run again"):
@@ -198,10 +209,11 @@ def test_prepare_builtin_refuses_an_incomplete_cache(tmp_path):
         tiny_task.prepare_builtin(tmp_path, seed=-1)
 
 
-@pytest.fixture(scope="module")
-def warmed_up(tmp_path_factory):
-    """The full built-in task and its tokenizer."""
-    task = tiny_task.prepare_builtin(tmp_path_factory.mktemp("cache"), seed=0)
+@pytest.fixture(scope="module", params=[tiny_task.TINY, "tiny_qwen3_moe_deep"])
+def warmed_up(request, tmp_path_factory):
+    """The full built-in task and its tokenizer, on the tiny model and on the deeper, wider one of
+    the stability presets (8 layers, 64 experts top-4)."""
+    task = tiny_task.prepare_builtin(tmp_path_factory.mktemp("cache"), seed=0, model=request.param)
     return task, AutoTokenizer.from_pretrained(task.model_dir)
 
 
@@ -230,7 +242,8 @@ def test_warmed_up_model_answers_in_format_at_chance(warmed_up):
 
 def test_grpo_lifts_the_score(warmed_up):
     """A plain on-policy GRPO loop with the tiny recipe's settings, 16 steps, on the warmed-up model.
-    Six sampling seeds rose by 0.75 to 1.3 from the first 4 steps' mean to the last 4's."""
+    Six sampling seeds rose by 0.75 to 1.3 from the first 4 steps' mean to the last 4's; the deeper
+    model's seed 0 by 0.96 (-0.70 to 0.26)."""
     task, tokenizer = warmed_up
     rows = pq.read_table(task.train_file).to_pylist()
     engine = HFEngine(task.model_dir, load_from_checkpoint=True)

@@ -86,6 +86,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from megatron_bridge.errors import ConfigError
 from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
 SCORE = "critic/score/mean"
@@ -570,25 +571,39 @@ def _shorten(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _named_by_variant() -> set[str]:
-    """The config keys a variant's name sets (``recipe.compare.runs``): the algorithm and its loss
-    mode, and each part's overrides (an async part's rollout pool too)."""
-    from recipe.compare.runs import ROLLOUT_POOL_KEYS, VARIANT_PARTS
+def _named_by(variant: str) -> set[str]:
+    """The config keys variant ``variant``'s name sets (``recipe.compare.runs``): the algorithm and its
+    loss mode, and each part's overrides (an async part's rollout pool too). A name that is not a
+    variant of ``recipe.compare`` (a report on other run directories) is taken to set all of them."""
+    from recipe.compare.runs import ROLLOUT_POOL_KEYS, VARIANT_PARTS, variant_overrides
 
-    return {"algo", "actor_rollout_ref.actor.policy_loss.loss_mode", *ROLLOUT_POOL_KEYS,
-            *(override.split("=")[0] for overrides in VARIANT_PARTS.values() for override in overrides)}
+    try:
+        overrides = variant_overrides(variant, (1, 1))
+    except ConfigError:
+        overrides = tuple(o for part in VARIANT_PARTS.values() for o in part) + tuple(f"{k}=" for k in ROLLOUT_POOL_KEYS)
+    return {"algo", "actor_rollout_ref.actor.policy_loss.loss_mode", *(o.split("=")[0] for o in overrides)}
+
+
+def _explained(values: dict[str, set[str]], variant_keys: dict[str, set[str]], key: str) -> bool:
+    """A key's differences are the variants' own when the variants whose names do not set it agree on it."""
+    unnamed = {value for variant, held in values.items() if key not in variant_keys[variant] for value in held}
+    return len(unnamed) <= 1
 
 
 def confounds(groups: dict[str, list[Run]]) -> list[str]:
     """The config keys on which variants differ beyond what their names say (and beyond each run's
-    own seed, directory and name): differences a reader must weigh besides the variants' own."""
+    own seed, directory and name): differences a reader must weigh besides the variants' own. A
+    key differs beyond the names when variants whose names do not set it hold different values of
+    it (e.g. the IS correction an async variant turns on by default, which the synchronous one lacks)."""
     runs = [run for group in groups.values() for run in group]
     if any(run.config is None for run in runs) or len(groups) < 2:
         return [f"Not checked: {'a run has no ' + CONFIG_FILE if len(groups) > 1 else 'one variant only'}."]
     flat = {variant: [_flatten(run.config) for run in group] for variant, group in groups.items()}
-    ignored = _named_by_variant() | set(RUN_IDENTITY)
-    keys = sorted({key for configs in flat.values() for values in configs for key in values} - ignored)
-    differing = [key for key in keys if len({values.get(key) for configs in flat.values() for values in configs}) > 1]
+    variant_keys = {variant: _named_by(variant) for variant in groups}
+    keys = sorted({key for configs in flat.values() for values in configs for key in values} - set(RUN_IDENTITY))
+    values = {key: {variant: {v.get(key, MISSING) for v in configs} for variant, configs in flat.items()} for key in keys}
+    differing = [key for key in keys if len(set().union(*values[key].values())) > 1
+                 and not _explained(values[key], variant_keys, key)]
     if not differing:
         return ["The variants differ only in what their names say (the algorithm and its loss, replay, "
                 "rollout correction, asynchronous mode)."]
