@@ -61,9 +61,8 @@ class Run:
     overrides: tuple[str, ...]  # the user's, then the variant's
 
 
-def variant_overrides(name: str, training_pool: tuple[int, int]) -> tuple[str, ...]:
-    """The recipe overrides that make variant ``name``; ``training_pool`` is the recipe's
-    (``trainer.nnodes``, ``trainer.n_gpus_per_node``), the size an async part gives the rollout pool."""
+def _parts(name: str) -> tuple[str, list[str]]:
+    """Variant ``name``'s algorithm and parts, checked."""
     algo, *parts = name.split("_")
     if algo not in ALGOS:
         raise ConfigError(f"variant {name!r}: starts with {algo!r}, expected an algorithm: {', '.join(ALGOS)}")
@@ -73,8 +72,22 @@ def variant_overrides(name: str, training_pool: tuple[int, int]) -> tuple[str, .
     if unknown or len(set(parts)) < len(parts) or {"r2", "r3"} <= set(parts):
         raise ConfigError(f"variant {name!r}: parts after the algorithm must be distinct ones of "
                           f"{', '.join(VARIANT_PARTS)} (at most one of r2, r3), e.g. grpo_r2")
+    return algo, parts
+
+
+def variant_overrides(name: str, training_pool: tuple[int, int]) -> tuple[str, ...]:
+    """The recipe overrides that make variant ``name``; ``training_pool`` is the recipe's
+    (``trainer.nnodes``, ``trainer.n_gpus_per_node``), the size an async part gives the rollout pool."""
+    algo, parts = _parts(name)
     overrides = (f"algo={algo}",) + tuple(o for p in parts for o in VARIANT_PARTS[p])
     return overrides + (pool_overrides(training_pool) if "async1" in parts else ())
+
+
+def variant_keys(name: str | None = None) -> set[str]:
+    """The config keys variant ``name``'s overrides set; without a name, those any variant may set."""
+    parts = _parts(name)[1] if name is not None else list(VARIANT_PARTS)
+    return {"algo", *(o.split("=")[0] for p in parts for o in VARIANT_PARTS[p]),
+            *(ROLLOUT_POOL_KEYS if "async1" in parts else ())}
 
 
 def _refuse_other_staleness(name: str, part: str) -> None:
