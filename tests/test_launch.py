@@ -84,6 +84,15 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def processes(tmp_path: Path) -> str:
+    """What the launcher's processes are doing, one line each: pid, parent, state, kernel wait
+    channel, command (for a hang's failure message)."""
+    pids = ",".join(map(str, sorted(started_by(tmp_path))))
+    if not pids:
+        return "(none left)"
+    return subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:20,args", "-p", pids], capture_output=True, text=True).stdout
+
+
 def started_by(tmp_path: Path) -> set[int]:
     """The processes a launcher of this test started, Ray's and the job's included: those whose
     environment carries the test's tag (read from /proc; other Ray clusters on the machine have none)."""
@@ -173,7 +182,8 @@ class Launcher:
         try:
             rc = self.proc.wait(timeout=HANG_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the launcher did not exit within {HANG_S}s; its output:\n{self.text[-3000:]}")
+            pytest.fail(f"the launcher did not exit within {HANG_S}s; its processes (where each waits):\n"
+                        f"{processes(self.tmp_path)}\nits output:\n{self.text[-3000:]}")
         with self._changed:  # its output ends with its tee; a descendant holding the pipe must not hang the test
             self._changed.wait_for(lambda: self._eof, timeout=60)
         return rc
@@ -305,7 +315,7 @@ def test_compare_launcher_submits_one_job_per_variant_then_the_report(tmp_path):
     jobs = [line for line in out.stdout.splitlines() if "ray job submit" in line]
     assert len(jobs) == 3
     for job, variant in zip(jobs, ("grpo", "grpo_r2", "gspo")):
-        assert f"-{variant} " in job and f"recipe.compare --config" in job and f"--variants {variant} --seeds 1,2" in job
+        assert f"-{variant} " in job and "recipe.compare --config" in job and f"--variants {variant} --seeds 1,2" in job
         assert f"--out {tmp_path / 'cmp'}" in job and "trainer.total_training_steps=5" in job
     report = [line for line in out.stdout.splitlines() if "recipe.compare" in line and "ray job submit" not in line]
     assert len(report) == 1 and "--variants grpo,grpo_r2,gspo --seeds 1,2" in report[0]
