@@ -83,6 +83,33 @@ def test_pick_nodes_takes_whole_nodes_head_first():
     assert len(pick_nodes([node("a"), node("b", head=True)], 2, 1, None)) == 2  # CPU: any alive node
 
 
+def test_the_rollout_pool_takes_nodes_the_training_pool_does_not_hold():
+    nodes = [node("10.0.0.4", 16), node("10.0.0.3", 16), node("10.0.0.2", 16), node("10.0.0.9", 16, head=True)]
+    training = pick_nodes(nodes, 2, 16, "NPU")
+    held = [n["NodeManagerAddress"] for n in training]
+    rollout = pick_nodes(nodes, 2, 16, "NPU", taken=held)
+    assert held == ["10.0.0.9", "10.0.0.2"] and [n["NodeManagerAddress"] for n in rollout] == ["10.0.0.3", "10.0.0.4"]
+    with pytest.raises(ClusterError, match=r"needs 3 node\(s\) with 16 NPU each besides the 2 node\(s\) of the other "
+                                           r"pool \(10.0.0.2, 10.0.0.9\); the Ray cluster has 2 such node\(s\)"):
+        pick_nodes(nodes, 3, 16, "NPU", taken=held)
+    # CPU ranks are processes on a node's cores: both pools share the one machine
+    cpu = [node("10.0.0.1", head=True)]
+    assert pick_nodes(cpu, 1, 2, None, taken=["10.0.0.1"]) == cpu
+
+
+def test_nodes_needed_adds_the_rollout_pools_nodes_on_devices_only():
+    from dataclasses import replace
+
+    from megatron_bridge.plan.layout import load_layout
+    from recipe.workers.group import nodes_needed
+
+    layout = load_layout("qwen3_30b_a3b_2x16_a3")
+    assert nodes_needed(layout) == 2
+    assert nodes_needed(layout.with_rollout_pool(3, 16)) == 5
+    cpu = replace(layout, cluster=replace(layout.cluster, device="cpu", npu_kind=None))
+    assert nodes_needed(cpu.with_rollout_pool(1, 2)) == 2 and nodes_needed(cpu.with_rollout_pool(3, 2)) == 3
+
+
 def test_join_report_names_joined_and_missing_nodes():
     joined = [SimpleNamespace(node_ip="10.0.0.1", resources_total={"NPU": 16.0})]
     text = join_report(joined, 3, ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "NPU", 16, "10.0.0.1:6379", 30)
