@@ -481,7 +481,7 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _read_yaml(path: str) -> dict:
+def read_yaml(path: str) -> dict:
     try:
         with open(path) as f:
             data = yaml.load(f, Loader=_Loader)
@@ -547,7 +547,7 @@ def resolve_path(kind: str, ref: str) -> str:
 def load_config(path: str, overrides: Iterable[str] = ()) -> RecipeConfig:
     """Compose a recipe with its fragments and overrides, then type and validate it."""
     path = resolve_path("recipe", path)
-    recipe = _read_yaml(path)
+    recipe = read_yaml(path)
     rest = parse_overrides(overrides)
     refs = {}
     for kind, default in (("algo", RecipeConfig.algo), ("parallel", RecipeConfig.parallel)):
@@ -556,8 +556,8 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RecipeConfig:
             raise ConfigError(f"{path}: {kind}={ref!r}: expected a shipped {kind} name or a path")
         refs[kind] = ref
     merged: dict = {}
-    for layer in (_read_yaml(resolve_path("algo", refs["algo"])),
-                  _read_yaml(resolve_path("parallel", refs["parallel"])), recipe, rest):
+    for layer in (read_yaml(resolve_path("algo", refs["algo"])),
+                  read_yaml(resolve_path("parallel", refs["parallel"])), recipe, rest):
         merged = deep_merge(merged, layer)
     return config_from_dict({**merged, **refs}, name=path)
 

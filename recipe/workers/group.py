@@ -112,6 +112,17 @@ def pick_nodes(nodes: list[dict], nnodes: int, devices_per_node: int, resource: 
     return fit[:nnodes]
 
 
+def devices_per_node_offered(layout: Layout) -> int:
+    """What each node offers Ray, every node running the same launcher: on devices the larger of
+    the two pools' per-node counts (a node belongs to one pool), on the CPU the ranks of both."""
+    training, rollout = pools(layout)
+    if rollout is None:
+        return training.devices_per_node
+    if DEVICE_RESOURCE[layout.cluster.device] is None:
+        return training.devices_per_node + rollout.devices_per_node
+    return max(training.devices_per_node, rollout.devices_per_node)
+
+
 def nodes_needed(layout: Layout) -> int:
     """How many nodes the run takes: the rollout's own pool on devices adds its nodes to the
     training pool's; on the CPU both pools' ranks share the nodes (``pick_nodes``)."""
