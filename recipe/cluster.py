@@ -225,7 +225,7 @@ def prepare(args: argparse.Namespace) -> int:
     pool = cfg.layout.rollout if cfg.layout.separate_rollout else None
     resolved = {
         "NNODES": cluster.nnodes, "NPUS_PER_NODE": cluster.devices_per_node, "DEVICE": cluster.device,
-        "ROLLOUT_NNODES": pool.nnodes or 1 if pool else "", "ROLLOUT_NPUS_PER_NODE": pool.devices_per_node if pool else "",
+        "ROLLOUT_NNODES": (pool.nnodes or 1) if pool else "", "ROLLOUT_NPUS_PER_NODE": pool.devices_per_node if pool else "",
         "ALL_NODES": nodes_needed(cfg.layout), "NODE_DEVICES": devices_per_node_offered(cfg.layout),
         "DEVICE_RESOURCE": DEVICE_RESOURCE[cluster.device] or "", "RUN_DIR": run_dir,
         "EXPERIMENT": cfg.trainer.experiment_name, "HCCL_BUFFSIZE_MB": env["env_vars"].get("HCCL_BUFFSIZE", ""),

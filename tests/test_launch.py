@@ -431,6 +431,23 @@ def test_local_launcher_runs_the_tiny_recipe_and_stops_its_ray(local_run):
 
 
 @pytest.mark.slow
+def test_local_launcher_runs_the_split_one_step_off(tmp_path):
+    """ROLLOUT_NNODES / ROLLOUT_NPUS_PER_NODE through a real Ray head and `ray job submit`: the job
+    trains on 2 ranks while 2 rollout ranks of their own generate a step ahead (the CPU's two pools
+    share the one node)."""
+    out = launch(TINY, tmp_path, TINY_ARGS, NNODES="1", ROLLOUT_NNODES="1", ROLLOUT_NPUS_PER_NODE="2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "SUCCEEDED" in out.stdout and "--expect 1 " not in out.stdout  # not a dry run
+    metrics = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1]  # step 2's batch was made a step ahead
+    (run_log,) = (tmp_path / "logs").iterdir()
+    config = yaml.safe_load((run_log / "config.yaml").read_text())
+    assert config["actor_rollout_ref"]["hybrid_engine"] is False and config["async_training"]["mode"] == "one_step_off"
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
 def test_failed_job_fails_the_launcher(tmp_path):
     out = launch(TINY, tmp_path, TINY_ARGS, NNODES="1", TRAIN_FILE=str(tmp_path / "missing.parquet"))
     # Missing data is found on the head before Ray starts ...
