@@ -3,7 +3,7 @@
 # runs unchanged on every node: the node whose address is MASTER_ADDR is the head, the others join.
 #
 # Head:   check the recipe and layout with the planner (nothing starts if it is invalid)
-#         -> ray start --head (this node's devices) -> wait for NNODES nodes (JOIN_TIMEOUT_S)
+#         -> ray start --head (this node's devices) -> wait for NNODES (+ ROLLOUT_NNODES) nodes (JOIN_TIMEOUT_S)
 #         -> ray job submit --no-wait --runtime-env <generated> -- python -m recipe.main_<algo> ...
 #         -> ray job logs --follow, exit with the job's status -> stop this node's Ray.
 #         A comparison (launch_compare) submits one job per variant (python -m recipe.compare
@@ -24,6 +24,8 @@ Runs ${LAUNCH_VARIANTS:+the comparison of $LAUNCH_VARIANTS on }${LAUNCH_ALGO:+$L
 
 Environment (empty: the recipe's or layout's own value):
   NNODES, NPUS_PER_NODE   cluster shape (default: the layout's trainer.nnodes / n_gpus_per_node)
+  ROLLOUT_NNODES, ROLLOUT_NPUS_PER_NODE   the rollout on nodes of its own, besides NNODES (both or neither;
+                          default: colocated on the training devices); runs async_training.mode=one_step_off
   MASTER_ADDR             the head node's address, the same on every node (default 127.0.0.1: one node)
   SOCKET_IFNAME           network interface for HCCL/gloo (default: the one on the route to MASTER_ADDR)
   MODEL_PATH, TRAIN_FILE, VAL_FILE, CKPT_DIR    checkpoint, data (comma-separated for several), run dir
@@ -346,6 +348,8 @@ launch_main() {
   RECIPE=${RECIPE:-$LAUNCH_RECIPE}
   NNODES=${NNODES:-}
   NPUS_PER_NODE=${NPUS_PER_NODE:-}
+  ROLLOUT_NNODES=${ROLLOUT_NNODES:-}
+  ROLLOUT_NPUS_PER_NODE=${ROLLOUT_NPUS_PER_NODE:-}
   MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
   SOCKET_IFNAME=${SOCKET_IFNAME:-}
   MODEL_PATH=${MODEL_PATH:-}
@@ -373,6 +377,7 @@ launch_main() {
   for name in RAY_PORT DASHBOARD_PORT DASHBOARD_AGENT_PORT JOIN_TIMEOUT_S RAY_START_TIMEOUT_S MAX_RESTARTS; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die 2 "$name=${!name}: expected a whole number"
   done
+  check_rollout_pool_variables
   command -v ray >/dev/null || die 2 "the 'ray' command is not on PATH: install the package (pip install -e .) in this environment"
   command -v ip >/dev/null || die 2 "the 'ip' command (iproute2) is needed to find this node's address and interface"
 
@@ -422,16 +427,18 @@ launch_main() {
   run_waiting "$PYTHON" -m recipe.cluster prepare --recipe "$RECIPE" --algo "$LAUNCH_ALGO" --role "$NODE_ROLE" \
     --out-dir "$OUT_DIR" --nnodes "$NNODES" --devices-per-node "$NPUS_PER_NODE" --parallel "$PARALLEL" \
     --model-path "$MODEL_PATH" --train-file "$TRAIN_FILE" --val-file "$VAL_FILE" --ckpt-dir "$CKPT_DIR" \
-    --hccl-buffsize "$HCCL_BUFFSIZE" --runtime-env "$RUNTIME_ENV" "${dry[@]}" \
+    --hccl-buffsize "$HCCL_BUFFSIZE" --runtime-env "$RUNTIME_ENV" --rollout-nnodes "$ROLLOUT_NNODES" \
+    --rollout-devices-per-node "$ROLLOUT_NPUS_PER_NODE" --head-ip "$MASTER_IP" --node-ips "$NODE_IPS" "${dry[@]}" \
     -- "${overrides[@]}" || status=$?
   ((status == 0)) || die "$status" "the checks above failed; nothing was started"
-  # NNODES, NPUS_PER_NODE, DEVICE, DEVICE_RESOURCE, RUN_DIR, EXPERIMENT, HCCL_BUFFSIZE_MB as resolved
+  # NNODES, NPUS_PER_NODE, ROLLOUT_NNODES, ROLLOUT_NPUS_PER_NODE, ALL_NODES (both pools), NODE_DEVICES (what
+  # each node offers Ray), DEVICE, DEVICE_RESOURCE, RUN_DIR, EXPERIMENT, HCCL_BUFFSIZE_MB as resolved
   # shellcheck source=/dev/null
   source "$OUT_DIR/cluster.env"
   mapfile -t JOB_ARGS <"$OUT_DIR/job_args"
 
-  if ((NNODES > 1)) && [[ $MASTER_IP == 127.* ]]; then
-    die 2 "NNODES=$NNODES but MASTER_ADDR=$MASTER_ADDR is a loopback address: set MASTER_ADDR to the head node's address, the same on every node"
+  if ((ALL_NODES > 1)) && [[ $MASTER_IP == 127.* ]]; then
+    die 2 "NNODES=$NNODES${ROLLOUT_NNODES:+ + ROLLOUT_NNODES=$ROLLOUT_NNODES} but MASTER_ADDR=$MASTER_ADDR is a loopback address: set MASTER_ADDR to the head node's address, the same on every node"
   fi
   if [[ -z $NODE_IP ]]; then
     if [[ $NODE_ROLE == head ]]; then NODE_IP=$MASTER_IP; else NODE_IP=$(route_field "$MASTER_IP" src); fi
@@ -449,9 +456,9 @@ launch_main() {
 
   local resources=()
   case $DEVICE in
-    npu) resources=(--resources "{\"NPU\": $NPUS_PER_NODE}") ;;
-    cuda) resources=(--num-gpus "$NPUS_PER_NODE") ;;
-    *) resources=(--num-cpus "$(( $(nproc) > NPUS_PER_NODE ? $(nproc) : NPUS_PER_NODE ))") ;;
+    npu) resources=(--resources "{\"NPU\": $NODE_DEVICES}") ;;
+    cuda) resources=(--num-gpus "$NODE_DEVICES") ;;
+    *) resources=(--num-cpus "$(( $(nproc) > NODE_DEVICES ? $(nproc) : NODE_DEVICES ))") ;;
   esac
   DASHBOARD_URL=http://127.0.0.1:$DASHBOARD_PORT
   # The commands, built once: the dry run prints them, the real run runs them.
@@ -462,7 +469,7 @@ launch_main() {
     --dashboard-port "$DASHBOARD_PORT" --dashboard-agent-listen-port "$DASHBOARD_AGENT_PORT"
     --disable-usage-stats "${resources[@]}")
   WAIT_CMD=("$PYTHON" -m recipe.cluster wait-nodes --dashboard "$DASHBOARD_URL" --address "$MASTER_IP:$RAY_PORT"
-    --expect "$NNODES" --timeout "$JOIN_TIMEOUT_S" --resource "$DEVICE_RESOURCE" --per-node "$NPUS_PER_NODE"
+    --expect "$ALL_NODES" --timeout "$JOIN_TIMEOUT_S" --resource "$DEVICE_RESOURCE" --per-node "$NODE_DEVICES"
     --node-ips "$NODE_IPS")
   # A comparison's report, on the head once every variant's job is done (its runs are finished, so
   # recipe.compare only writes the report).
@@ -475,7 +482,7 @@ launch_main() {
     dry_run_report
     return 0
   fi
-  log "this node: $NODE_IP on $SOCKET_IFNAME; cluster: $NNODES node(s) x $NPUS_PER_NODE $DEVICE"
+  log "this node: $NODE_IP on $SOCKET_IFNAME; cluster: $(cluster_shape)"
   check_auth_token
   pause_at before_ray
   if [[ $NODE_ROLE == head ]]; then
@@ -483,6 +490,22 @@ launch_main() {
   else
     run_worker
   fi
+}
+
+# ROLLOUT_NNODES and ROLLOUT_NPUS_PER_NODE: both whole numbers >= 1, or both empty (colocated).
+check_rollout_pool_variables() {
+  local name
+  if [[ -n $ROLLOUT_NNODES && -z $ROLLOUT_NPUS_PER_NODE ]] || [[ -z $ROLLOUT_NNODES && -n $ROLLOUT_NPUS_PER_NODE ]]; then
+    die 2 "ROLLOUT_NNODES=$ROLLOUT_NNODES ROLLOUT_NPUS_PER_NODE=$ROLLOUT_NPUS_PER_NODE: set both (the rollout's own nodes and devices per node), or neither for a rollout on the training devices"
+  fi
+  for name in ROLLOUT_NNODES ROLLOUT_NPUS_PER_NODE; do
+    [[ -z ${!name} || ${!name} =~ ^[1-9][0-9]*$ ]] || die 2 "$name=${!name}: expected a whole number >= 1 (or leave it empty: no rollout pool of its own)"
+  done
+}
+
+# cluster_shape: the nodes and devices of the pools, for the messages.
+cluster_shape() {
+  echo "$NNODES node(s) x $NPUS_PER_NODE $DEVICE${ROLLOUT_NNODES:+ training, $ROLLOUT_NNODES node(s) x $ROLLOUT_NPUS_PER_NODE $DEVICE rollout}"
 }
 
 check_auth_token() {
@@ -515,7 +538,7 @@ dry_run_report() {
   local name
   echo
   echo "== dry run: nothing was started =="
-  echo "this node: $NODE_ROLE ($NODE_IP on $SOCKET_IFNAME); cluster: $NNODES node(s) x $NPUS_PER_NODE $DEVICE"
+  echo "this node: $NODE_ROLE ($NODE_IP on $SOCKET_IFNAME); cluster: $(cluster_shape)"
   echo "environment of every Ray process on this node (exported before ray start):"
   for name in RAY_AUTH_MODE RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S HCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
     echo "  export $name=${!name}"
@@ -530,14 +553,14 @@ dry_run_report() {
     printf '  %s\n' "$(quote_cmd "${SUBMIT_CMD[@]}")"
   done
   [[ -n $LAUNCH_VARIANTS ]] && printf '  %s\n' "$(quote_cmd "${REPORT_CMD[@]}")"
-  if ((NNODES > 1)); then
-    echo "each of the $((NNODES - 1)) worker node(s) runs:"
+  if ((ALL_NODES > 1)); then
+    echo "each of the $((ALL_NODES - 1)) worker node(s) runs${ROLLOUT_NNODES:+ (training and rollout nodes alike; the pools above say which is which)}:"
     # From the head, a worker's address is unknown: it is the worker's own on the route to the head.
     local worker_ip=$NODE_IP
     [[ $NODE_ROLE == head ]] && worker_ip="<its address on the route to $MASTER_IP>"
     printf '  %s\n' "$(quote_cmd "${WORKER_BASE[@]}" --node-ip-address "$worker_ip")"
   fi
-  ((MAX_RESTARTS == 0)) || echo "a FAILED job is resubmitted up to $MAX_RESTARTS time(s) (MAX_RESTARTS), once all $NNODES node(s) are back"
+  ((MAX_RESTARTS == 0)) || echo "a FAILED job is resubmitted up to $MAX_RESTARTS time(s) (MAX_RESTARTS), once all $ALL_NODES node(s) are back"
   echo "then the head stops its Ray when the job ends; the workers stop theirs when the head is gone."
   if [[ $NODE_ROLE == worker ]]; then
     if head_reachable; then
@@ -580,10 +603,10 @@ check_ports_free() {
 
 run_head() {
   check_ports_free
-  log "starting Ray head on $NODE_IP:$RAY_PORT ($NPUS_PER_NODE $DEVICE)"
+  log "starting Ray head on $NODE_IP:$RAY_PORT ($NODE_DEVICES $DEVICE)"
   start_ray_node "$RUN_LOG/ray_head.log" "${HEAD_CMD[@]}" ||
     die 1 "ray start --head failed (log $RUN_LOG/ray_head.log): $(tail -n 3 "$RUN_LOG/ray_head.log" | tr '\n' ' ')"
-  log "waiting up to ${JOIN_TIMEOUT_S}s for $NNODES node(s)"
+  log "waiting up to ${JOIN_TIMEOUT_S}s for $ALL_NODES node(s)"
   spawn CHILD_PID "${WAIT_CMD[@]}"
   pause_at joining
   wait_child || die 1 "not all nodes joined; nothing was submitted"
@@ -610,7 +633,7 @@ run_job() {
       die 1 "job $SUBMIT_ID did not succeed ($JOB_STATUS; log $JOB_LOG)$( ((restarts == 0)) || echo "; resubmitted $restarts time(s), MAX_RESTARTS=$MAX_RESTARTS")"
     fi
     restarts=$((restarts + 1))
-    log "restart $restarts of $MAX_RESTARTS: waiting up to ${JOIN_TIMEOUT_S}s for $NNODES node(s), then resubmitting (the run resumes from its last complete checkpoint)"
+    log "restart $restarts of $MAX_RESTARTS: waiting up to ${JOIN_TIMEOUT_S}s for $ALL_NODES node(s), then resubmitting (the run resumes from its last complete checkpoint)"
     spawn CHILD_PID "${WAIT_CMD[@]}"
     wait_child || die 1 "not all nodes are back; job $SUBMIT_ID was not resubmitted"
   done

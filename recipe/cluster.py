@@ -22,13 +22,13 @@ import os
 import shlex
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import yaml
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
-from recipe.config import BUILTIN_TINY
+from recipe.config import BUILTIN_TINY, deep_merge, parse_overrides, read_yaml
 
 RUNTIME_ENV_DIR = os.path.join(CONFIGS_DIR, "runtime_env")
 RUNTIME_ENV_FOR_DEVICE = {"npu": "mc2.yaml", "cuda": "base.yaml", "cpu": "base.yaml"}
@@ -63,7 +63,45 @@ def launcher_overrides(args: argparse.Namespace) -> list[str]:
             out.append(f"{key}={json.dumps([_absolute(p) for p in value.split(',') if p])}")
     if args.ckpt_dir:
         out.append(f"trainer.default_local_dir={json.dumps(_absolute(args.ckpt_dir))}")
+    return out + rollout_pool_overrides(args)
+
+
+def rollout_pool_overrides(args: argparse.Namespace) -> list[str]:
+    """ROLLOUT_NNODES / ROLLOUT_NPUS_PER_NODE: the rollout on nodes of its own, which runs with
+    one_step_off (unless the user's overrides choose the mode themselves)."""
+    if not args.rollout_nnodes:
+        return []
+    out = ["actor_rollout_ref.hybrid_engine=false", f"actor_rollout_ref.rollout.nnodes={args.rollout_nnodes}",
+           f"actor_rollout_ref.rollout.n_gpus_per_node={args.rollout_devices_per_node}"]
+    if _MISSING is _lookup(parse_overrides(args.overrides), "async_training.mode"):
+        out.append("async_training.mode=one_step_off")
     return out
+
+
+_MISSING = object()
+
+
+def _lookup(data: Any, dotted: str) -> Any:
+    """The value at ``a.b.c`` in nested mappings, ``_MISSING`` where a key is not there."""
+    for key in dotted.split("."):
+        if not isinstance(data, dict) or key not in data:
+            return _MISSING
+        data = data[key]
+    return data
+
+
+def check_rollout_pool_inputs(recipe: str, args: argparse.Namespace) -> None:
+    """ROLLOUT_* give the rollout nodes of its own (hybrid_engine=false): a recipe, or an override,
+    that keeps it on the training devices (hybrid_engine=true) contradicts them."""
+    if not args.rollout_nnodes:
+        return
+    given = deep_merge(read_yaml(recipe), parse_overrides(args.overrides))
+    if _lookup(given, "actor_rollout_ref.hybrid_engine") is True:
+        raise ConfigError(
+            f"ROLLOUT_NNODES={args.rollout_nnodes} / ROLLOUT_NPUS_PER_NODE={args.rollout_devices_per_node} give the "
+            f"rollout nodes of its own, but the recipe {recipe} or an override sets actor_rollout_ref.hybrid_engine=true "
+            "(the rollout on the training devices): unset ROLLOUT_NNODES and ROLLOUT_NPUS_PER_NODE, or drop that key"
+        )
 
 
 def runtime_env(template: str, mc2_plan, user_buffsize: str | None) -> tuple[dict, list[str]]:
@@ -106,6 +144,38 @@ def missing_paths(cfg, role: str) -> list[str]:
             if path != BUILTIN_TINY and not os.path.exists(path)]
 
 
+def describe_pools(cfg, head_ip: str, node_ips: str) -> list[str]:
+    """Which nodes train and which generate, as the run will pick them (``pick_nodes``: the head
+    first, then by address; the rollout pool on nodes the training pool does not hold). Named from
+    NODE_IPS when it lists them all; nothing for a colocated rollout."""
+    from recipe.workers.group import (DEVICE_RESOURCE, HEAD_RESOURCE, devices_per_node_offered, nodes_needed,
+                                      pick_nodes, pools)
+
+    training, rollout = pools(cfg.layout)
+    if rollout is None:
+        return []
+    device, needed = cfg.layout.cluster.device, nodes_needed(cfg.layout)
+    out = [f"pools (actor_rollout_ref.hybrid_engine=false, async_training.mode={cfg.async_training.mode}): "
+           f"{needed} node(s)"]
+    resource = DEVICE_RESOURCE[device]
+    ips = list(dict.fromkeys(ip for ip in [head_ip, *node_ips.split(",")] if ip))
+    if resource is None:
+        return out + [f"  training: {training.nnodes} x {training.devices_per_node} CPU ranks, rollout: "
+                      f"{rollout.nnodes} x {rollout.devices_per_node} CPU ranks, on the same node(s)' cores"]
+    if len(ips) < needed:
+        return out + [f"  training: {training.nnodes} x {training.devices_per_node} {device}, the head first; "
+                      f"rollout: {rollout.nnodes} x {rollout.devices_per_node} {device} on {rollout.nnodes} other "
+                      "node(s) (set NODE_IPS=ip1,ip2,... to have them named)"]
+    offered = devices_per_node_offered(cfg.layout)
+    nodes = [{"NodeManagerAddress": ip, "Alive": True,
+              "Resources": {resource: offered, **({HEAD_RESOURCE: 1} if ip == head_ip else {})}} for ip in ips]
+    trains = [n["NodeManagerAddress"] for n in pick_nodes(nodes, training.nnodes, training.devices_per_node, resource)]
+    generates = [n["NodeManagerAddress"] for n in pick_nodes(nodes, rollout.nnodes, rollout.devices_per_node,
+                                                              resource, taken=trains)]
+    return out + [f"  training: {training.nnodes} x {training.devices_per_node} {device} on {', '.join(trains)}",
+                  f"  rollout:  {rollout.nnodes} x {rollout.devices_per_node} {device} on {', '.join(generates)}"]
+
+
 def _write(path: str, text: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -116,9 +186,10 @@ def _write(path: str, text: str) -> None:
 def prepare(args: argparse.Namespace) -> int:
     from megatron_bridge.plan.verdict import evaluate, print_verdict
     from recipe.config import config_to_dict, load_config, model_spec, resolve_path
-    from recipe.workers.group import DEVICE_RESOURCE
+    from recipe.workers.group import DEVICE_RESOURCE, devices_per_node_offered, nodes_needed
 
     recipe = os.path.abspath(resolve_path("recipe", args.recipe))
+    check_rollout_pool_inputs(recipe, args)
     overrides = launcher_overrides(args) + list(args.overrides)
     cfg = load_config(recipe, overrides + ([f"algo={args.algo}"] if args.algo else []))
     cluster = cfg.layout.cluster
@@ -129,6 +200,8 @@ def prepare(args: argparse.Namespace) -> int:
                         ("MODEL_PATH", model.path), ("TRAIN_FILE", ",".join(cfg.data.train_files)),
                         ("VAL_FILE", ",".join(cfg.data.val_files)), ("CKPT_DIR", run_dir)):
         print(f"  {name:<14} {value}")
+    for line in describe_pools(cfg, args.head_ip, args.node_ips):
+        print(line)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     spec = model_spec(cfg, recipe)
     verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
@@ -149,8 +222,11 @@ def prepare(args: argparse.Namespace) -> int:
     _write(os.path.join(args.out_dir, "runtime_env.yaml"), yaml.safe_dump(env, sort_keys=False))
     _write(os.path.join(args.out_dir, "job_args"), "\n".join(["--config", recipe] + overrides) + "\n")
     _write(os.path.join(args.out_dir, "config.yaml"), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    pool = cfg.layout.rollout if cfg.layout.separate_rollout else None
     resolved = {
         "NNODES": cluster.nnodes, "NPUS_PER_NODE": cluster.devices_per_node, "DEVICE": cluster.device,
+        "ROLLOUT_NNODES": (pool.nnodes or 1) if pool else "", "ROLLOUT_NPUS_PER_NODE": pool.devices_per_node if pool else "",
+        "ALL_NODES": nodes_needed(cfg.layout), "NODE_DEVICES": devices_per_node_offered(cfg.layout),
         "DEVICE_RESOURCE": DEVICE_RESOURCE[cluster.device] or "", "RUN_DIR": run_dir,
         "EXPERIMENT": cfg.trainer.experiment_name, "HCCL_BUFFSIZE_MB": env["env_vars"].get("HCCL_BUFFSIZE", ""),
     }
@@ -243,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("nnodes", "NNODES"), ("devices-per-node", "NPUS_PER_NODE"), ("parallel", "PARALLEL"),
                        ("model-path", "MODEL_PATH"), ("train-file", "TRAIN_FILE (comma-separated for several)"),
                        ("val-file", "VAL_FILE"), ("ckpt-dir", "CKPT_DIR"), ("hccl-buffsize", "HCCL_BUFFSIZE (MB)"),
-                       ("runtime-env", "RUNTIME_ENV template")):
+                       ("runtime-env", "RUNTIME_ENV template"), ("rollout-nnodes", "ROLLOUT_NNODES"),
+                       ("rollout-devices-per-node", "ROLLOUT_NPUS_PER_NODE"), ("head-ip", "MASTER_ADDR, resolved"),
+                       ("node-ips", "NODE_IPS")):
         p.add_argument(f"--{name}", default="", help=f"the launcher's {what}; empty: the recipe's own")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides, after the launcher's")
     w = sub.add_parser("wait-nodes", help="wait until the cluster has all its nodes")

@@ -481,7 +481,7 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _read_yaml(path: str) -> dict:
+def read_yaml(path: str) -> dict:
     try:
         with open(path) as f:
             data = yaml.load(f, Loader=_Loader)
@@ -547,7 +547,7 @@ def resolve_path(kind: str, ref: str) -> str:
 def load_config(path: str, overrides: Iterable[str] = ()) -> RecipeConfig:
     """Compose a recipe with its fragments and overrides, then type and validate it."""
     path = resolve_path("recipe", path)
-    recipe = _read_yaml(path)
+    recipe = read_yaml(path)
     rest = parse_overrides(overrides)
     refs = {}
     for kind, default in (("algo", RecipeConfig.algo), ("parallel", RecipeConfig.parallel)):
@@ -556,8 +556,8 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RecipeConfig:
             raise ConfigError(f"{path}: {kind}={ref!r}: expected a shipped {kind} name or a path")
         refs[kind] = ref
     merged: dict = {}
-    for layer in (_read_yaml(resolve_path("algo", refs["algo"])),
-                  _read_yaml(resolve_path("parallel", refs["parallel"])), recipe, rest):
+    for layer in (read_yaml(resolve_path("algo", refs["algo"])),
+                  read_yaml(resolve_path("parallel", refs["parallel"])), recipe, rest):
         merged = deep_merge(merged, layer)
     return config_from_dict({**merged, **refs}, name=path)
 
@@ -575,7 +575,9 @@ def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
         cfg = _build(resolved, name, tuple(verl.ignored))
     cfg = _log_prob_passes_follow_actor(_resolve_rollout_engine(cfg, name))
     cfg = _rollout_correction_when_async(cfg, verl.data)
-    problems = (check_equal(verl.equal_checks, config_to_dict(cfg)) + _cross_checks(cfg) + _pool_problems(cfg)
+    problems = _pool_problems(cfg)
+    cfg = _colocated_rollout_on_training_devices(cfg)
+    problems = (check_equal(verl.equal_checks, config_to_dict(cfg)) + _cross_checks(cfg) + problems
                 + _layout_problems(cfg, name))
     if problems:
         raise ConfigError(f"{name}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -906,6 +908,12 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
     return out
 
 
+def _pool_is_trainers(layout: Layout) -> bool:
+    """The rollout's nnodes / n_gpus_per_node are the trainer's."""
+    pool, cluster = layout.rollout, layout.cluster
+    return (pool.nnodes or 1, pool.devices_per_node) == (cluster.nnodes, cluster.devices_per_node)
+
+
 def _pool_problems(cfg: RecipeConfig) -> list[str]:
     """Where the rollout runs (``hybrid_engine``, its own pool) against ``async_training.mode``."""
     layout, arr, mode = cfg.layout, cfg.actor_rollout_ref, cfg.async_training.mode
@@ -915,8 +923,7 @@ def _pool_problems(cfg: RecipeConfig) -> list[str]:
         if mode != "sync":
             return [f"async_training.mode={mode} generates on the rollout's own devices: set "
                     f"actor_rollout_ref.hybrid_engine=false and {given}"]
-        if layout.separate_rollout and (pool.nnodes or 1, pool.devices_per_node) != (cluster.nnodes,
-                                                                                    cluster.devices_per_node):
+        if layout.separate_rollout and not _pool_is_trainers(layout):
             return [f"{given} = {pool.nnodes or 1} / {pool.devices_per_node} differ from trainer.nnodes / "
                     f"n_gpus_per_node = {cluster.nnodes} / {cluster.devices_per_node}: with "
                     "actor_rollout_ref.hybrid_engine=true the rollout is colocated on the training devices; leave "
@@ -940,6 +947,18 @@ def _pool_problems(cfg: RecipeConfig) -> list[str]:
         out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 with async_training.mode=one_step_off would replay "
                    "routing chosen by the previous policy version, which is not implemented; use R2 or disabled")
     return out
+
+
+def _colocated_rollout_on_training_devices(cfg: RecipeConfig) -> RecipeConfig:
+    """``hybrid_engine`` alone decides whether the rollout has a pool of its own: with ``true``, a
+    rollout nnodes / n_gpus_per_node equal to the trainer's (allowed, verl's recipes spell them out)
+    names the training devices, so the layout drops them and everything that asks
+    ``layout.separate_rollout`` (the pools, the memory plan) sees one colocated pool."""
+    layout = cfg.layout
+    if not (cfg.actor_rollout_ref.hybrid_engine and layout.separate_rollout and _pool_is_trainers(layout)):
+        return cfg  # a pool that differs is refused by _pool_problems
+    rollout = dataclasses.replace(layout.rollout, nnodes=None, devices_per_node=None)
+    return dataclasses.replace(cfg, layout=dataclasses.replace(layout, rollout=rollout))
 
 
 def model_spec(cfg: RecipeConfig, name: str) -> ModelSpec:

@@ -11,7 +11,8 @@ import yaml
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.mc2 import Mc2Plan
-from recipe.cluster import join_report, launcher_overrides, main, runtime_env
+from megatron_bridge.plan.layout import load_layout
+from recipe.cluster import check_rollout_pool_inputs, describe_pools, join_report, launcher_overrides, main, runtime_env
 from recipe.config import load_config
 from recipe.workers.group import ClusterError, pick_nodes
 
@@ -22,8 +23,9 @@ NO_MC2 = Mc2Plan(False, "n/a", "not an NPU cluster", 32, 0, 200)
 
 
 def inputs(**given) -> argparse.Namespace:
-    keys = ("nnodes", "devices_per_node", "parallel", "model_path", "train_file", "val_file", "ckpt_dir")
-    return argparse.Namespace(**{k: given.get(k, "") for k in keys})
+    keys = ("nnodes", "devices_per_node", "parallel", "model_path", "train_file", "val_file", "ckpt_dir",
+            "rollout_nnodes", "rollout_devices_per_node")
+    return argparse.Namespace(**{k: given.get(k, "") for k in keys}, overrides=given.get("overrides", []))
 
 
 def test_launcher_inputs_become_overrides_the_recipe_accepts(tmp_path):
@@ -39,6 +41,50 @@ def test_launcher_inputs_become_overrides_the_recipe_accepts(tmp_path):
     assert cfg.data.train_files == [f"{tmp_path}/a b.parquet", "builtin:tiny"]  # spaces survive, builtin kept
     assert cfg.trainer.default_local_dir == str(Path("runs/x").resolve())
     assert launcher_overrides(inputs()) == []  # nothing given: the recipe's own values
+
+
+def test_rollout_pool_inputs_become_the_split_overrides():
+    args = inputs(rollout_nnodes="2", rollout_devices_per_node="8")
+    split = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=2",
+             "actor_rollout_ref.rollout.n_gpus_per_node=8"]
+    assert launcher_overrides(args) == split + ["async_training.mode=one_step_off"]
+    # the user's overrides choose the mode: the launcher adds none (theirs come after its own)
+    chosen = inputs(rollout_nnodes="2", rollout_devices_per_node="8", overrides=["async_training.mode=sync"])
+    assert launcher_overrides(chosen) == split
+    cfg = load_config("tiny_gspo", launcher_overrides(inputs(rollout_nnodes="1", rollout_devices_per_node="2")))
+    assert cfg.layout.separate_rollout and cfg.async_training.mode == "one_step_off"
+    assert (cfg.layout.rollout.nnodes, cfg.layout.rollout.devices_per_node) == (1, 2)
+
+
+def test_rollout_pool_inputs_refused_with_a_recipe_that_keeps_the_rollout_colocated(tmp_path):
+    recipe = tmp_path / "colocated.yaml"
+    recipe.write_text(yaml.safe_dump({"actor_rollout_ref": {"hybrid_engine": True}}))
+    with pytest.raises(ConfigError, match=r"ROLLOUT_NNODES=1 / ROLLOUT_NPUS_PER_NODE=2 give the rollout nodes of its "
+                                          r"own, but the recipe .*colocated.yaml or an override sets "
+                                          r"actor_rollout_ref.hybrid_engine=true .*: unset ROLLOUT_NNODES"):
+        check_rollout_pool_inputs(str(recipe), inputs(rollout_nnodes="1", rollout_devices_per_node="2"))
+    overridden = inputs(rollout_nnodes="1", rollout_devices_per_node="2", overrides=["actor_rollout_ref.hybrid_engine=false"])
+    check_rollout_pool_inputs(str(recipe), overridden)  # the override has the last word
+    check_rollout_pool_inputs(str(recipe), inputs())  # no rollout pool asked for: nothing to contradict
+    with pytest.raises(ConfigError, match="or an override sets actor_rollout_ref.hybrid_engine=true"):
+        check_rollout_pool_inputs(str(REPO / "configs/recipe/tiny_gspo.yaml"),
+                                  inputs(rollout_nnodes="1", rollout_devices_per_node="2",
+                                         overrides=["actor_rollout_ref.hybrid_engine=true"]))
+
+
+def test_the_split_names_which_nodes_train_and_which_generate():
+    layout = load_layout("qwen3_30b_a3b_2x16_a3").with_rollout_pool(2, 16)
+    cfg = SimpleNamespace(layout=layout, async_training=SimpleNamespace(mode="one_step_off"))
+    head = "10.0.0.9"
+    lines = describe_pools(cfg, head, "10.0.0.3,10.0.0.10,10.0.0.2,10.0.0.9")
+    assert lines == ["pools (actor_rollout_ref.hybrid_engine=false, async_training.mode=one_step_off): 4 node(s)",
+                     "  training: 2 x 16 npu on 10.0.0.9, 10.0.0.10",  # the head, then by address (as text)
+                     "  rollout:  2 x 16 npu on 10.0.0.2, 10.0.0.3"]
+    unnamed = describe_pools(cfg, head, "")
+    assert unnamed[1] == ("  training: 2 x 16 npu, the head first; rollout: 2 x 16 npu on 2 other node(s) "
+                          "(set NODE_IPS=ip1,ip2,... to have them named)")
+    colocated = SimpleNamespace(layout=load_layout("qwen3_30b_a3b_2x16_a3"), async_training=cfg.async_training)
+    assert describe_pools(colocated, head, "10.0.0.3") == []
 
 
 def test_runtime_env_takes_the_planners_buffer_unless_the_user_sets_one(tmp_path):
@@ -83,6 +129,33 @@ def test_pick_nodes_takes_whole_nodes_head_first():
     assert len(pick_nodes([node("a"), node("b", head=True)], 2, 1, None)) == 2  # CPU: any alive node
 
 
+def test_the_rollout_pool_takes_nodes_the_training_pool_does_not_hold():
+    nodes = [node("10.0.0.4", 16), node("10.0.0.3", 16), node("10.0.0.2", 16), node("10.0.0.9", 16, head=True)]
+    training = pick_nodes(nodes, 2, 16, "NPU")
+    held = [n["NodeManagerAddress"] for n in training]
+    rollout = pick_nodes(nodes, 2, 16, "NPU", taken=held)
+    assert held == ["10.0.0.9", "10.0.0.2"] and [n["NodeManagerAddress"] for n in rollout] == ["10.0.0.3", "10.0.0.4"]
+    with pytest.raises(ClusterError, match=r"needs 3 node\(s\) with 16 NPU each besides the 2 node\(s\) of the other "
+                                           r"pool \(10.0.0.2, 10.0.0.9\); the Ray cluster has 2 such node\(s\)"):
+        pick_nodes(nodes, 3, 16, "NPU", taken=held)
+    # CPU ranks are processes on a node's cores: both pools share the one machine
+    cpu = [node("10.0.0.1", head=True)]
+    assert pick_nodes(cpu, 1, 2, None, taken=["10.0.0.1"]) == cpu
+
+
+def test_nodes_needed_adds_the_rollout_pools_nodes_on_devices_only():
+    from dataclasses import replace
+
+    from megatron_bridge.plan.layout import load_layout
+    from recipe.workers.group import nodes_needed
+
+    layout = load_layout("qwen3_30b_a3b_2x16_a3")
+    assert nodes_needed(layout) == 2
+    assert nodes_needed(layout.with_rollout_pool(3, 16)) == 5
+    cpu = replace(layout, cluster=replace(layout.cluster, device="cpu", npu_kind=None))
+    assert nodes_needed(cpu.with_rollout_pool(1, 2)) == 2 and nodes_needed(cpu.with_rollout_pool(3, 2)) == 3
+
+
 def test_join_report_names_joined_and_missing_nodes():
     joined = [SimpleNamespace(node_ip="10.0.0.1", resources_total={"NPU": 16.0})]
     text = join_report(joined, 3, ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "NPU", 16, "10.0.0.1:6379", 30)
@@ -101,6 +174,7 @@ def test_prepare_writes_the_jobs_inputs_and_fails_cleanly(tmp_path, capsys):
     assert rc == 0
     env = dict(line.split("=", 1) for line in (out / "cluster.env").read_text().splitlines())
     assert env["NNODES"] == "4" and env["NPUS_PER_NODE"] == "8" and env["DEVICE_RESOURCE"] == "NPU"
+    assert (env["ALL_NODES"], env["NODE_DEVICES"], env["ROLLOUT_NNODES"], env["ROLLOUT_NPUS_PER_NODE"]) == ("4", "8", "''", "''")
     assert env["HCCL_BUFFSIZE_MB"] == "320"  # the 4 x 8 A2 layout: MC2 needs 304 MB, rounded up to 32
     args = (out / "job_args").read_text().splitlines()
     assert args[:2] == ["--config", str(REPO / "configs/recipe/qwen3_30b_a3b_grpo.yaml")]

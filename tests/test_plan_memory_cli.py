@@ -186,3 +186,82 @@ def test_the_planner_does_not_import_megatron():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---- the rollout on a pool of its own (hybrid_engine=false) --------------------------------------
+
+SPLIT = ("--rollout-nnodes", "2", "--rollout-devices-per-node", "16")
+
+
+def test_rollout_pool_memory_is_the_engines_alone():
+    """Its own pool: the rollout's weights over rollout TP (experts over TP*DP) and the KV cache in
+    what the gpu_memory_utilization share leaves; the training devices keep their training peak."""
+    colocated = load_layout("qwen3_30b_a3b_2x16_a3")
+    split = colocated.with_rollout_pool(1, 16)
+    split = replace(split, rollout=replace(split.rollout, ep=16))  # pure EP over the pool's 16 devices
+    assert (split.rollout.tp, split.rollout.dp, split.rollout_world_size) == (2, 8, 16)  # DP derived from the pool
+    report, same = memory.estimate(Q30, split, 4096), memory.estimate(Q30, colocated, 4096)
+    experts = Q30.num_layers * Q30.num_experts * Q30.expert_params
+    weights = int(2 * ((Q30.total_params - experts) / 2 + experts / 16))
+    share = int(0.5 * 64 * memory.GIB)
+    assert report.rollout_pool == memory.RolloutPoolMemory(weights, share)
+    assert report.rollout_pool.kv_cache == share - weights and report.rollout_fits is True
+    assert report.train_peak == same.train_peak and same.rollout_pool is None
+    # A share too small for the weights fails on the rollout pool, whatever the training devices keep.
+    tight = replace(split, rollout=replace(split.rollout, gpu_memory_utilization=0.05))
+    assert memory.estimate(Q30, tight, 4096).rollout_fits is False
+    # No offload, 40 GiB devices, 60 % for the engine: colocated, the 17.9 GiB of training state stay
+    # beside the 24 GiB share and do not fit; on a pool of its own the engine has the device alone.
+    kept = replace(colocated.train, param_offload=False, grad_offload=False, optimizer_offload=False)
+    big_share = replace(colocated.rollout, gpu_memory_utilization=0.6)
+    small = replace(colocated, train=kept, rollout=big_share).with_cluster(device_memory_gb=40)
+    assert memory.estimate(Q30, small, 4096).fits is False
+    assert memory.estimate(Q30, small.with_rollout_pool(2, 16), 4096).fits is True
+
+
+def test_rollout_pool_too_small_for_its_weights_is_named():
+    layout = replace(load_layout("qwen3_30b_a3b_4x8_a2"), rollout=RolloutParallel(tp=1, ep=1))
+    report = memory.estimate(Q30, layout.with_rollout_pool(1, 1), 4096)
+    # the whole model (61 GB in bf16) on one device of 64 GiB, half of it the engine's
+    assert report.rollout_pool.weights == 2 * Q30.total_params and report.rollout_fits is False
+    from megatron_bridge.plan.verdict import memory_violations
+
+    (violation,) = memory_violations(report)
+    assert violation.rule == "memory.rollout_pool_fits" and "56.9 GiB per device" in violation.message
+
+
+def test_check_without_the_rollout_flags_is_unchanged_and_with_them_changes_only_the_rollout_lines():
+    args = ("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3")
+    colocated, split = _cli(*args).stdout.splitlines(), _cli(*args, *SPLIT).stdout.splitlines()
+    at = colocated.index(next(line for line in colocated if line.startswith("  rollout weights")))
+    expected = (colocated[:3] + ["rollout pool: 2 x 16 npu = 32 devices of its own (hybrid_engine=false)"]
+                + colocated[3:at]
+                + ["memory per rollout device (TP2 DP16 EP32; no training state there):", colocated[at],
+                   colocated[at + 1], "  KV cache budget (share - weights)           28.88 GiB"]
+                + colocated[at + 4:])
+    assert split == expected
+    assert colocated[at + 2].startswith("  training state kept during rollout")
+    plain, own = json.loads(_cli(*args, "--json").stdout), json.loads(_cli(*args, *SPLIT, "--json").stdout)
+    assert "rollout_pool" not in plain and "kept_during_rollout" in plain["memory_bytes"]
+    pool = own.pop("rollout_pool")
+    for key in ("kept_during_rollout", "offload_host"):  # nothing of the rollout's on the training devices
+        plain["memory_bytes"].pop(key)
+    assert own == plain
+    weights = pool["memory_bytes"]["weights"]
+    assert pool == {"nnodes": 2, "devices_per_node": 16, "devices": 32, "tp": 2, "dp": 16, "ep": 32,
+                    "gpu_memory_utilization": 0.5, "fits": True,
+                    "memory_bytes": {"weights": weights, "share": 32 * memory.GIB, "kv_cache": 32 * memory.GIB - weights}}
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--rollout-nnodes", "2"), "--rollout-nnodes needs --rollout-devices-per-node too "
+                                  "(the rollout's own pool: nodes and devices per node)"),
+    (("--rollout-devices-per-node", "8"), "--rollout-devices-per-node needs --rollout-nnodes "
+                                              "too (the rollout's own pool: nodes and devices per node)"),
+    (("--rollout-nnodes", "0", "--rollout-devices-per-node", "8"), "argument --rollout-nnodes: 0 must be >= 1"),
+    (("--rollout-nnodes", "1", "--rollout-devices-per-node", "two"), "argument --rollout-devices-per-node: 'two' is not an integer"),
+])
+def test_rollout_flags_refused_in_one_line(flags, says):
+    out = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3", *flags)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines()[-1] == f"python -m megatron_bridge.plan check: error: {says}"

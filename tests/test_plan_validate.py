@@ -220,3 +220,21 @@ def test_every_shipped_layout_is_valid_for_its_model(path):
     layout = load_layout(path)
     spec = next(m for prefix, m in MODEL_OF_LAYOUT.items() if layout.name.startswith(prefix))
     assert validate(spec, layout, 4096) == []
+
+
+def test_rollout_tp_dp_ep_are_checked_on_the_rollout_pool():
+    """With a pool of its own the rollout's TP x DP and EP are checked against the pool's devices,
+    not the training world: 2x16 training devices, rollout on 1 x 8."""
+    layout = load_layout("qwen3_30b_a3b_2x16_a3").with_rollout_pool(1, 8)
+    assert (layout.rollout.tp, layout.rollout.dp) == (2, 4)  # DP derived from the pool
+    found = rules(Q30, layout)
+    assert set(found) == {"rollout.moe_pure_ep_or_tp"}  # EP32 is the training world's TP x DP
+    assert "pure EP (EP = TP*DP = 8)" in found["rollout.moe_pure_ep_or_tp"]
+    assert validate(Q30, replace(layout, rollout=replace(layout.rollout, ep=8)), 4096) == []
+    pinned = replace(layout, rollout=replace(layout.rollout, dp=16, ep=1))  # the colocated DP, kept
+    assert ("must equal the rollout's device count 8 (its own pool); with rollout TP=2 use data_parallel_size=4"
+            in rules(Q30, pinned)["rollout.tp_dp_equals_world"])
+    # rollout TP above the pool's devices: no DP makes TP x DP = 1 device
+    found = rules(Q30, replace(load_layout("qwen3_30b_a3b_2x16_a3"), rollout=RolloutParallel(tp=2, ep=1))
+                  .with_rollout_pool(1, 1))
+    assert "TP*DP = 2*1 = 2 must equal the rollout's device count 1" in found["rollout.tp_dp_equals_world"]

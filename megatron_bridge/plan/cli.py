@@ -1,6 +1,7 @@
 """Check a parallel layout, or search for one, before a single device is touched.
 
     python -m megatron_bridge.plan check  --model M --parallel P [--nnodes N --devices-per-node D --device-memory-gb G]
+                                          [--rollout-nnodes RN --rollout-devices-per-node RD]
     python -m megatron_bridge.plan search --model M --nnodes N --devices-per-node D [--device-memory-gb G] [--top K] [--write out.yaml]
 
 Exit codes: 0 valid, 1 invalid (every violated rule is printed), 2 unusable arguments.
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Validate a layout; print every violated rule, the memory per device and MC2 facts.")
     common(check, nodes_required=False)
     check.add_argument("--parallel", required=True, help="layout YAML (configs/parallel/*.yaml) or a shipped layout name")
+    check.add_argument("--rollout-nnodes", type=_positive_int,
+                       help="the rollout on nodes of its own (hybrid_engine=false): their number; "
+                            "with --rollout-devices-per-node")
+    check.add_argument("--rollout-devices-per-node", type=_positive_int,
+                       help="accelerators per node of the rollout's own pool; with --rollout-nnodes")
+    check.set_defaults(subparser=check)  # what names the command in an error about these flags
 
     srch = sub.add_parser("search", help="rank valid layouts for a model and cluster",
                           description="Enumerate TP/PP/EP/ETP layouts, keep the valid ones that fit, rank them.")
@@ -108,9 +115,20 @@ def _cluster_overrides(args) -> dict:
     return {"nnodes": args.nnodes, "devices_per_node": args.devices_per_node, "device_memory_gb": args.device_memory_gb}
 
 
+def _check_rollout_pool_flags(args) -> None:
+    """--rollout-nnodes and --rollout-devices-per-node go together: one alone is an unusable argument."""
+    given = {"--rollout-nnodes": args.rollout_nnodes, "--rollout-devices-per-node": args.rollout_devices_per_node}
+    missing = [flag for flag, value in given.items() if value is None]
+    if len(missing) == 1:
+        (other,) = set(given) - set(missing)
+        args.subparser.error(f"{other} needs {missing[0]} too (the rollout's own pool: nodes and devices per node)")
+
+
 def run_check(args) -> int:
     spec = load_model_spec(args.model)
     layout = load_layout(args.parallel).with_cluster(**_cluster_overrides(args))
+    if args.rollout_nnodes is not None:
+        layout = layout.with_rollout_pool(args.rollout_nnodes, args.rollout_devices_per_node)
     v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model)
     if args.json:
         print(json.dumps(verdict_json(v), indent=2))
@@ -156,6 +174,8 @@ def run_search(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "check":
+        _check_rollout_pool_flags(args)
     try:
         return run_check(args) if args.command == "check" else run_search(args)
     except ConfigError as e:

@@ -115,8 +115,16 @@ class Layout:
 
     def with_cluster(self, **overrides: Any) -> "Layout":
         given = {k: v for k, v in overrides.items() if v is not None}
-        rollout = replace(self.rollout, dp=None) if self._rollout_dp_derived else self.rollout
-        return replace(self, cluster=replace(self.cluster, **given), rollout=rollout)
+        return replace(self, cluster=replace(self.cluster, **given), rollout=self._rollout_to_rederive())
+
+    def with_rollout_pool(self, nnodes: int, devices_per_node: int) -> "Layout":
+        """The rollout on a pool of its own, ``nnodes`` x ``devices_per_node`` devices."""
+        rollout = replace(self._rollout_to_rederive(), nnodes=nnodes, devices_per_node=devices_per_node)
+        return replace(self, rollout=rollout)
+
+    def _rollout_to_rederive(self) -> RolloutParallel:
+        """The rollout with a derived DP cleared, so that a new device count derives it again."""
+        return replace(self.rollout, dp=None) if self._rollout_dp_derived else self.rollout
 
 
 # YAML key -> dataclass field, per section. verl's names where verl has the setting.

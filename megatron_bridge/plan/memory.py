@@ -263,6 +263,24 @@ def rollout_weight_bytes(spec: ModelSpec, layout: Layout) -> int:
     return int(2 * (dense / r.tp + experts / (r.tp * r.dp)))
 
 
+@dataclass(frozen=True)
+class RolloutPoolMemory:
+    """Per device of the rollout's own pool (``hybrid_engine=false``): the engine alone, no
+    training state. vLLM takes ``gpu_memory_utilization`` of the device (the share) for its weights,
+    then its KV cache (and its activations) in what the share leaves."""
+
+    weights: int
+    share: int | None  # None: the device memory is not known
+
+    @property
+    def kv_cache(self) -> int | None:
+        return None if self.share is None else self.share - self.weights
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.share is None else self.weights < self.share
+
+
 @dataclass
 class MemoryReport:
     """Worst pipeline stage's memory per device, in bytes; ``exact`` marks the exact terms."""
@@ -281,6 +299,7 @@ class MemoryReport:
     checkpoint_total: int = 0  # a checkpoint's bytes (checkpoint_bytes)
     checkpoint_per_rank: int = 0
     terms: list[tuple[str, int, bool]] = field(default_factory=list)
+    rollout_pool: RolloutPoolMemory | None = None  # the rollout's own devices; None: colocated
 
     @property
     def train_peak(self) -> int:
@@ -292,6 +311,8 @@ class MemoryReport:
 
     @property
     def rollout_fits(self) -> bool | None:
+        if self.rollout_pool is not None:
+            return self.rollout_pool.fits
         if self.device_bytes is None:
             return None
         return (self.resident_during_rollout + self.rollout_share <= self.device_bytes
@@ -327,6 +348,8 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
             reference=ref,
         ))
     worst = max(reports, key=lambda m: m.train_peak)
+    if layout.separate_rollout:  # the engine's share of a rollout device, the same kind of device
+        worst.rollout_pool = RolloutPoolMemory(worst.rollout_weights, worst.rollout_share)
     worst.checkpoint_total, worst.checkpoint_per_rank = checkpoint_bytes(spec, cl.world_size)
     worst.terms = [
         ("weights (bf16)", worst.static.weights, True),

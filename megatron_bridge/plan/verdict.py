@@ -36,7 +36,14 @@ def memory_violations(report: memory.MemoryReport) -> list[Violation]:
             f"{gib(report.activations + report.logits + report.routing)} estimated) but the device has {gib(report.device_bytes)}; "
             "raise PP or EP, turn on full recompute, or use more devices",
         ))
-    if report.rollout_fits is False:
+    if report.rollout_pool is not None and report.rollout_fits is False:
+        out.append(Violation(
+            "memory.rollout_pool_fits",
+            f"rollout pool: the rollout weights ({gib(report.rollout_weights)} per device) must be less than the "
+            f"gpu_memory_utilization share ({gib(report.rollout_share)} of {gib(report.device_bytes)}), which "
+            "also holds the KV cache; raise rollout TP or DP (more rollout devices) or gpu_memory_utilization",
+        ))
+    elif report.rollout_fits is False:
         out.append(Violation(
             "memory.rollout_fits",
             f"rollout: gpu_memory_utilization share {gib(report.rollout_share)} + training state kept on the device "
@@ -85,6 +92,10 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
     print(f"layout {v.layout.name}: {describe(v.layout)}")
     print(f"cluster: {cl.nnodes} x {cl.devices_per_node} {cl.device}{' ' + cl.npu_kind if cl.npu_kind else ''} = "
           f"{cl.world_size} devices, {cl.device_memory_gb or '?'} GiB each; seq_len {seq_len}")
+    if v.layout.separate_rollout:
+        r = v.layout.rollout
+        print(f"rollout pool: {r.nnodes or 1} x {r.devices_per_node} {cl.device} = {v.layout.rollout_world_size} "
+              "devices of its own (hybrid_engine=false)")
     if not v.valid and v.memory is None:
         print(f"INVALID: {len(v.violations)} rule(s) violated")
         for violation in v.violations:
@@ -97,10 +108,13 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
     for name, value, exact in m.terms:
         print(f"  {name:<40} {gib_text(value):>12}  {'exact' if exact else 'estimate'}")
     print(f"  {'training peak':<40} {gib_text(m.train_peak):>12}")
-    print(f"  {'rollout weights (bf16)':<40} {gib_text(m.rollout_weights):>12}  exact")
-    print(f"  {'rollout share (gpu_memory_utilization)':<40} {gib_text(m.rollout_share):>12}")
-    print(f"  {'training state kept during rollout':<40} {gib_text(m.resident_during_rollout):>12}  {_offloaded(v.layout)}")
-    print(f"  {'host copy of offloaded state (pinned)':<40} {gib_text(m.offload_host):>12}")
+    if m.rollout_pool is None:
+        print(f"  {'rollout weights (bf16)':<40} {gib_text(m.rollout_weights):>12}  exact")
+        print(f"  {'rollout share (gpu_memory_utilization)':<40} {gib_text(m.rollout_share):>12}")
+        print(f"  {'training state kept during rollout':<40} {gib_text(m.resident_during_rollout):>12}  {_offloaded(v.layout)}")
+        print(f"  {'host copy of offloaded state (pinned)':<40} {gib_text(m.offload_host):>12}")
+    else:
+        _print_rollout_pool(v.layout, m.rollout_pool)
     print(f"checkpoint (bf16 weights, fp32 main params and Adam moments): {gib_text(m.checkpoint_total)} in "
           f"total, about {gib_text(m.checkpoint_per_rank)} written per rank")
     fits = {None: "unknown (give --device-memory-gb)", True: "yes", False: "NO"}
@@ -122,6 +136,15 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
         print("VALID")
 
 
+def _print_rollout_pool(layout: Layout, pool: memory.RolloutPoolMemory) -> None:
+    """The rollout pool's device: the engine alone (the training devices keep no rollout share)."""
+    r = layout.rollout
+    print(f"memory per rollout device (TP{r.tp} DP{r.dp} EP{r.ep}; no training state there):")
+    print(f"  {'rollout weights (bf16)':<40} {gib_text(pool.weights):>12}  exact")
+    print(f"  {'rollout share (gpu_memory_utilization)':<40} {gib_text(pool.share):>12}")
+    print(f"  {'KV cache budget (share - weights)':<40} {gib_text(pool.kv_cache):>12}")
+
+
 def _offloaded(layout: Layout) -> str:
     t = layout.train
     moved = [name for name, on in (("weights", t.param_offload), ("optimizer", t.optimizer_offload)) if on]
@@ -136,10 +159,24 @@ def verdict_json(v: Verdict) -> dict:
     if v.memory is not None:
         out["memory_bytes"] = {name: value for name, value, _ in v.memory.terms}
         out["memory_bytes"]["training_peak"] = v.memory.train_peak
-        out["memory_bytes"]["kept_during_rollout"] = v.memory.resident_during_rollout
-        out["memory_bytes"]["offload_host"] = v.memory.offload_host
+        if v.memory.rollout_pool is None:
+            out["memory_bytes"]["kept_during_rollout"] = v.memory.resident_during_rollout
+            out["memory_bytes"]["offload_host"] = v.memory.offload_host
         out["fits"] = v.memory.fits
         out["checkpoint_bytes"] = {"total": v.memory.checkpoint_total, "per_rank": v.memory.checkpoint_per_rank}
+    if v.layout.separate_rollout:
+        out["rollout_pool"] = _rollout_pool_json(v.layout, v.memory)
     if v.mc2 is not None:
         out["mc2"] = {"method": v.mc2.method, "hccl_buffsize_mb": v.mc2.hccl_buffsize_mb}
+    return out
+
+
+def _rollout_pool_json(layout: Layout, report: memory.MemoryReport | None) -> dict:
+    r = layout.rollout
+    out = {"nnodes": r.nnodes or 1, "devices_per_node": r.devices_per_node, "devices": layout.rollout_world_size,
+           "tp": r.tp, "dp": r.dp, "ep": r.ep, "gpu_memory_utilization": r.gpu_memory_utilization}
+    if report is not None:  # a layout that breaks a rule has no memory plan
+        pool = report.rollout_pool
+        out["memory_bytes"] = {"weights": pool.weights, "share": pool.share, "kv_cache": pool.kv_cache}
+        out["fits"] = pool.fits
     return out

@@ -130,7 +130,7 @@ class Trainer:
         per_node = training.devices_per_node + (rollout.devices_per_node if rollout else 0)
         self.workers = WorkerGroup(training, device, per_node)
         if rollout is not None:
-            self.rollout_workers = WorkerGroup(rollout, device, per_node)
+            self.rollout_workers = WorkerGroup(rollout, device, per_node, taken=self.workers.node_ips)
             starting = self.rollout_workers.submit("setup", [(cfg, self.model_dir)] * rollout.size)
         infos = self.workers.setup(cfg, self.model_dir)
         self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec, self.rollout_workers)

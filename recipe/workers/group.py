@@ -92,28 +92,56 @@ def shutdown_ray() -> None:
 
 
 def pick_nodes(nodes: list[dict], nnodes: int, devices_per_node: int, resource: str | None,
-               keys: str = Pool.keys) -> list[dict]:
+               keys: str = Pool.keys, taken: Sequence[str] = ()) -> list[dict]:
     """The ``nnodes`` nodes the run takes (``ray.nodes()`` entries): alive ones that offer a whole
-    node's devices, the head first. Raises naming what the cluster has when too few qualify."""
-    fit = [n for n in nodes if n["Alive"] and (resource is None or n["Resources"].get(resource, 0) >= devices_per_node)]
+    node's devices, the head first. ``taken``: addresses of the nodes another pool holds; a pool of
+    devices never shares a node with it (the rollout pool's nodes are its own), while CPU ranks,
+    processes on a node's cores, do. Raises naming what the cluster has when too few qualify."""
+    taken = set(taken) if resource else set()
+    fit = [n for n in nodes if n["Alive"] and n["NodeManagerAddress"] not in taken
+           and (resource is None or n["Resources"].get(resource, 0) >= devices_per_node)]
     fit.sort(key=lambda n: (HEAD_RESOURCE not in n["Resources"], n["NodeManagerAddress"]))
     if len(fit) < nnodes:
         have = ", ".join(f"{n['NodeManagerAddress']} ({int(n['Resources'].get(resource, 0))} {resource})" if resource
                          else n["NodeManagerAddress"] for n in nodes if n["Alive"]) or "none"
+        besides = f" besides the {len(taken)} node(s) of the other pool ({', '.join(sorted(taken))})" if taken else ""
         raise ClusterError(
-            f"the run needs {nnodes} node(s) with {devices_per_node} {resource or 'CPU ranks'} each; the Ray cluster "
-            f"has {len(fit)} such node(s) (alive: {have}). Check {keys} against the nodes that joined"
+            f"the run needs {nnodes} node(s) with {devices_per_node} {resource or 'CPU ranks'} each{besides}; the Ray "
+            f"cluster has {len(fit)} such node(s) (alive: {have}). Check {keys} against the nodes that joined"
         )
     return fit[:nnodes]
 
 
+def devices_per_node_offered(layout: Layout) -> int:
+    """What each node offers Ray, every node running the same launcher: on devices the larger of
+    the two pools' per-node counts (a node belongs to one pool), on the CPU the ranks of both."""
+    training, rollout = pools(layout)
+    if rollout is None:
+        return training.devices_per_node
+    if DEVICE_RESOURCE[layout.cluster.device] is None:
+        return training.devices_per_node + rollout.devices_per_node
+    return max(training.devices_per_node, rollout.devices_per_node)
+
+
+def nodes_needed(layout: Layout) -> int:
+    """How many nodes the run takes: the rollout's own pool on devices adds its nodes to the
+    training pool's; on the CPU both pools' ranks share the nodes (``pick_nodes``)."""
+    training, rollout = pools(layout)
+    if rollout is None:
+        return training.nnodes
+    if DEVICE_RESOURCE[layout.cluster.device] is None:
+        return max(training.nnodes, rollout.nnodes)
+    return training.nnodes + rollout.nnodes
+
+
 class WorkerGroup:
-    def __init__(self, pool: Pool, device: str, cpu_ranks_per_node: int):
-        """``pool``'s ranks as Ray actors. On the CPU a node's cores are shared by the
-        ``cpu_ranks_per_node`` ranks of every pool on it."""
+    def __init__(self, pool: Pool, device: str, cpu_ranks_per_node: int, taken: Sequence[str] = ()):
+        """``pool``'s ranks as Ray actors, on nodes other than ``taken`` (another pool's, see
+        ``pick_nodes``). On the CPU a node's cores are shared by the ``cpu_ranks_per_node`` ranks of
+        every pool on it."""
         self.pool, self.world_size = pool, pool.size
         resource = DEVICE_RESOURCE[device]
-        nodes = pick_nodes(ray.nodes(), pool.nnodes, pool.devices_per_node, resource, pool.keys)
+        nodes = pick_nodes(ray.nodes(), pool.nnodes, pool.devices_per_node, resource, pool.keys, taken)
         # rank r runs on node r // devices_per_node: what a message about rank r names
         self.node_ips = [n["NodeManagerAddress"] for n in nodes for _ in range(pool.devices_per_node)]
         cpus_per_worker = 1
