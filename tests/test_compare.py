@@ -73,8 +73,8 @@ def test_r3_with_async_is_refused_naming_the_variant_before_anything_runs(tmp_pa
         run_comparison(str(REPO / "configs/recipe/tiny_grpo.yaml"), ["grpo", "grpo_r3_async1"], [1],
                        str(tmp_path / "out"), [])
     assert str(info.value).startswith("variant 'grpo_r3_async1': ")
-    assert "router_replay.mode=R3 with async_training.mode=one_step_off would replay routing chosen by the " \
-           "previous policy version" in str(info.value)
+    assert "router_replay.mode=R3 with async_training.mode=one_step_off would replay routing chosen by an " \
+           "earlier policy version" in str(info.value)
     assert not (tmp_path / "out").exists()  # not even the first variant's directory
 
 
