@@ -575,12 +575,13 @@ def _named_by(variant: str) -> set[str]:
     """The config keys variant ``variant``'s name sets (``recipe.compare.runs``): the algorithm and its
     loss mode, and each part's overrides (an async part's rollout pool too). A name that is not a
     variant of ``recipe.compare`` (a report on other run directories) is taken to set all of them."""
-    from recipe.compare.runs import ROLLOUT_POOL_KEYS, VARIANT_PARTS, variant_overrides
+    from recipe.compare.runs import ROLLOUT_POOL_KEYS, VARIANT_PARTS, async_overrides, variant_overrides
 
     try:
         overrides = variant_overrides(variant, (1, 1))
-    except ConfigError:
-        overrides = tuple(o for part in VARIANT_PARTS.values() for o in part) + tuple(f"{k}=" for k in ROLLOUT_POOL_KEYS)
+    except ConfigError:  # async2 sets every key async1 does, and the fully asynchronous mode's own
+        overrides = (tuple(o for part in VARIANT_PARTS.values() for o in part) + async_overrides(2)
+                     + tuple(f"{k}=" for k in ROLLOUT_POOL_KEYS))
     return {"algo", "actor_rollout_ref.actor.policy_loss.loss_mode", *(o.split("=")[0] for o in overrides)}
 
 
