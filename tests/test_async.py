@@ -5,12 +5,16 @@ the transformers engine in processes of its own)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 
 import pytest
+import torch
 
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
+from recipe.driver.async_schedule import AsyncSchedule
+from recipe.driver.dispatch import Rollout
 from recipe.tracking.loggers import read_jsonl
 from tests.test_recipe_e2e import TINY, VOLATILE, _trainer
 
@@ -86,6 +90,70 @@ def test_asynchronous_modes_config():
 def test_fully_async_bounds_staleness_by_the_sync_interval_and_the_threshold(overrides, sync_every, max_staleness):
     a = load_config(TINY["gspo"], [*FULLY_ASYNC, *overrides]).async_training
     assert (a.sync_every, a.max_staleness) == (sync_every, max_staleness)
+
+
+# --- the schedule alone, with a rollout pool that answers at once or later ----------------------
+
+
+class _Pool:
+    """Dispatch's generation calls: a generation is done when ``finished`` says so at the first poll
+    that asks (collect always gets it); records each send's step and the version the engines held."""
+
+    def __init__(self, finished):
+        self.finished, self.sent, self.schedule = finished, [], None
+
+    def start(self, step):
+        self.sent.append((step, self.schedule.pushed))
+        return step
+
+    def done(self, pending):
+        return next(self.finished)
+
+    def collect(self, pending):
+        return Rollout([], torch.zeros(0), [], [], [])
+
+
+def _staleness(sync_every, max_staleness, steps, validated, finished):
+    """Run the schedule as the trainer does; the staleness of each step's batch and the pool's sends."""
+    pool = _Pool(finished)
+    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=0)
+    behind = []
+    for step in range(1, steps + 1):
+        behind.append(step - 1 - schedule.batch(step).policy_version)
+        if schedule.push_due(step) or step in validated:
+            schedule.push(step, dict)
+        else:
+            schedule.poll()
+    return behind, pool.sent
+
+
+@pytest.mark.parametrize("sync_every, max_staleness, validated", [
+    (1, 1, ()), (1, 0, ()), (1, 3, ()), (4, 3, ()), (2, 2, ()), (2, 2, (3,)), (3, 5, (4, 5)),
+])
+def test_each_batch_comes_from_the_first_pushed_version_that_keeps_it_within_the_bound(sync_every, max_staleness,
+                                                                                      validated):
+    """Whether the rollout keeps up or not (every poll finds the generation done, none does, or some
+    do), batch b is generated under the first pushed version p with b - 1 - p <= K, never under a
+    version past the bound, and every batch is sent once, in step order."""
+    import random
+
+    steps = 12
+    pushes = sorted({0, *range(sync_every, steps + 1, sync_every), *validated})
+    expected = [b - 1 - min(p for p in pushes if b - 1 - p <= max_staleness) for b in range(1, steps + 1)]
+    rng = random.Random(0)
+    for finished in (itertools.repeat(True), itertools.repeat(False), iter(lambda: rng.random() < 0.5, None)):
+        behind, sent = _staleness(sync_every, max_staleness, steps, validated, finished)
+        assert behind == expected
+        assert [step for step, _ in sent] == list(range(1, steps + 1))
+        assert all(step - 1 - version <= max_staleness for step, version in sent)
+    assert max(expected) == max_staleness or steps <= max_staleness
+
+
+def test_one_step_off_and_the_synchronous_bound_stalenesses():
+    ready = itertools.repeat(True)
+    assert _staleness(1, 1, 4, (), ready)[0] == [0, 1, 1, 1]  # one_step_off: T = 1, K = 1
+    assert _staleness(1, 0, 4, (), ready)[0] == [0, 0, 0, 0]  # staleness_threshold=0, T = 1: on-policy
+    assert _staleness(4, 3, 8, (), ready)[0] == [0, 1, 2, 3, 0, 1, 2, 3]  # verl's defaults: T = 4, K = 3
 
 
 # --- end to end --------------------------------------------------------------------------------

@@ -66,8 +66,8 @@ class AsyncSchedule:
 
     def push(self, step: int, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Push step ``step``'s weights with ``sync()``, once the engines have made every batch the
-        outgoing version may still make and are idle; returns what ``sync`` returned."""
-        self._send_next()
+        outgoing version may still make and are idle; returns what ``sync`` returned. (Each batch is
+        sent as soon as the bound allows: with none in flight, the next is past it.)"""
         while self.in_flight is not None:
             self._advance()
         result = sync()
