@@ -596,7 +596,7 @@ def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
     cfg = _log_prob_passes_follow_actor(_resolve_rollout_engine(cfg, name))
     cfg = _rollout_correction_when_async(cfg, verl.data)
     problems = (check_equal(verl.equal_checks, config_to_dict(cfg)) + _cross_checks(cfg) + _pool_problems(cfg)
-                + _fully_async_problems(cfg, verl.data) + _layout_problems(cfg, name))
+                + _fully_async_problems(cfg) + _layout_problems(cfg, name))
     if problems:
         raise ConfigError(f"{name}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
@@ -965,14 +965,14 @@ def _pool_problems(cfg: RecipeConfig) -> list[str]:
 FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout")
 
 
-def _fully_async_problems(cfg: RecipeConfig, given: Mapping[str, Any]) -> list[str]:
-    """The fully asynchronous mode's own keys: given in another mode, or asking for what is not here."""
-    a = cfg.async_training
+def _fully_async_problems(cfg: RecipeConfig) -> list[str]:
+    """The fully asynchronous mode's own keys: set off their defaults in another mode (a saved config
+    holds the defaults), or asking for what is not here."""
+    a, defaults = cfg.async_training, AsyncTrainingConfig()
     if a.mode != "fully_async":
-        section = given.get("async_training")
-        named = [k for k in FULLY_ASYNC_KEYS if isinstance(section, Mapping) and k in section]
-        return [f"async_training.{k} applies with async_training.mode=fully_async only, not {a.mode}; set that mode "
-                "or drop the key" for k in named]
+        changed = [k for k in FULLY_ASYNC_KEYS if getattr(a, k) != getattr(defaults, k)]
+        return [f"async_training.{k}={getattr(a, k)} applies with async_training.mode=fully_async only, not "
+                f"{a.mode}; set that mode or drop the key" for k in changed]
     out = []
     if a.require_batches != 1:
         out.append(f"async_training.require_batches={a.require_batches}: several generation batches per step are "

@@ -44,9 +44,9 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
     ([*ONE_STEP_OFF, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
      "filter_groups .* not implemented with async_training.mode=one_step_off"),
     ([*ONE_STEP_OFF, "actor_rollout_ref.actor.megatron.router_replay.mode=R3"], "R3 with .* not implemented"),
-    (["async_training.staleness_threshold=0.5"], "async_training.staleness_threshold applies with "
+    (["async_training.staleness_threshold=0.5"], "async_training.staleness_threshold=0.5 applies with "
                                                  "async_training.mode=fully_async only, not sync"),
-    ([*ONE_STEP_OFF, "async_training.trigger_parameter_sync_step=1"], "trigger_parameter_sync_step applies with "
+    ([*ONE_STEP_OFF, "async_training.trigger_parameter_sync_step=1"], "trigger_parameter_sync_step=1 applies with "
                                                                      "async_training.mode=fully_async only, not "
                                                                      "one_step_off"),
     ([*FULLY_ASYNC, "async_training.require_batches=2"], "require_batches=2: several generation batches per step "
