@@ -113,12 +113,13 @@ class _Pool:
         return Rollout([], torch.zeros(0), [], [], [])
 
 
-def _staleness(sync_every, max_staleness, steps, validated, finished):
-    """Run the schedule as the trainer does; the staleness of each step's batch and the pool's sends."""
+def _staleness(sync_every, max_staleness, steps, validated, finished, resumed=0):
+    """Run the schedule as the trainer does, from step ``resumed`` on; the staleness of each step's
+    batch and the pool's sends."""
     pool = _Pool(finished)
-    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=0)
+    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=resumed)
     behind = []
-    for step in range(1, steps + 1):
+    for step in range(resumed + 1, steps + 1):
         behind.append(step - 1 - schedule.batch(step).policy_version)
         if schedule.push_due(step) or step in validated:
             schedule.push(step, dict)
@@ -154,6 +155,16 @@ def test_one_step_off_and_the_synchronous_bound_stalenesses():
     assert _staleness(1, 1, 4, (), ready)[0] == [0, 1, 1, 1]  # one_step_off: T = 1, K = 1
     assert _staleness(1, 0, 4, (), ready)[0] == [0, 0, 0, 0]  # staleness_threshold=0, T = 1: on-policy
     assert _staleness(4, 3, 8, (), ready)[0] == [0, 1, 2, 3, 0, 1, 2, 3]  # verl's defaults: T = 4, K = 3
+
+
+def test_a_resumed_schedule_starts_from_the_resumed_weights():
+    """Resumed after step 3 (T = 2, K = 2): the engines hold v3, so batches 4-6 come from it (0, 1, 2
+    behind), batch 7 from step 4's push; the uninterrupted run's were 1, 2, 1, 2 behind."""
+    ready = itertools.repeat(True)
+    assert _staleness(2, 2, 8, (), ready)[0] == [0, 1, 2, 1, 2, 1, 2, 1]
+    behind, sent = _staleness(2, 2, 8, (), ready, resumed=3)
+    assert behind == [0, 1, 2, 2, 1]
+    assert sent == [(4, 3), (5, 3), (6, 3), (7, 4), (8, 6)]
 
 
 # --- end to end --------------------------------------------------------------------------------
