@@ -23,6 +23,7 @@ verl's batch arithmetic, and the layout against the model with the planner's rul
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -274,12 +275,36 @@ class TrainerConfig:
 class AsyncTrainingConfig:
     """How generation and training overlap (docs/async.md). ``sync``: generate, then train, on the
     same devices. ``one_step_off``: the next step's batch is generated on the rollout's own devices,
-    with weights one update old, while this step trains (verl's one-step-off-policy recipe)."""
+    with weights one update old, while this step trains (verl's one-step-off-policy recipe).
+    ``fully_async``: batches are generated ahead, the weights pushed every ``trigger_parameter_sync_step``
+    steps, samples at most ``max_staleness`` versions old (verl's fully-async-policy recipe, without
+    partial rollouts). The schedule: ``recipe.driver.async_schedule``."""
 
     mode: str = "sync"
     # how long a rank of the weight group (training rank 0 and the rollout pool) waits for the others
     # when joining it and in each bucket's broadcast before the sync fails (recipe.rollout.broadcast)
     weight_sync_timeout_s: float = 600.0
+    # fully_async only, verl's keys and defaults: generation beyond one sync interval allowed ahead, as a
+    # fraction of the batches trained between pushes; the weights go to the rollout every this many steps
+    staleness_threshold: float = 0.1
+    trigger_parameter_sync_step: int = 4
+    require_batches: int = 1  # generation batches per step: 1 only here
+    partial_rollout: bool = False  # generation interrupted by a push and resumed under new weights: not here
+
+    @property
+    def sync_every(self) -> int:
+        """T: the steps between weight pushes to a rollout pool of its own."""
+        return self.trigger_parameter_sync_step if self.mode == "fully_async" else 1
+
+    @property
+    def max_staleness(self) -> int:
+        """K: the most versions a sample may be behind the policy that trains on it. T - 1 comes from
+        the pushes' interval, floor(staleness_threshold x T) from the batches allowed ahead of it
+        (rounded first: 0.3 x 10 is 3, not 2.9999999999999996)."""
+        if self.mode != "fully_async":
+            return 1
+        t = self.trigger_parameter_sync_step
+        return t - 1 + math.floor(round(self.staleness_threshold * t, 9))
 
 
 @dataclass(frozen=True)
@@ -353,14 +378,7 @@ def save_contents_rule(v: list[str]) -> str | None:
     return one_of((*CHECKPOINT_CONTENTS, "hf_model"))(v)
 
 
-ASYNC_MODES = ("sync", "one_step_off")
-
-
-def async_mode_rule(v: str) -> str | None:
-    if v == "fully_async":
-        return ("verl's fully asynchronous mode (streaming rollout, partial rollouts, a staleness threshold) is not "
-                "implemented yet; use one_step_off or sync")
-    return one_of(ASYNC_MODES)(v)
+ASYNC_MODES = ("sync", "one_step_off", "fully_async")
 
 
 def freq_rule(v: int) -> str | None:
@@ -462,8 +480,10 @@ RULES: dict[str, Rule] = {
     "trainer.routing_drift_rows": POSITIVE,
     "trainer.logger": one_of(LOGGERS),
     f"{_ACTOR}.checkpoint.save_contents": save_contents_rule,
-    "async_training.mode": async_mode_rule,
+    "async_training.mode": one_of(ASYNC_MODES),
     "async_training.weight_sync_timeout_s": greater_than(0),
+    "async_training.staleness_threshold": at_least(0),
+    "async_training.trigger_parameter_sync_step": POSITIVE,
 }
 
 
@@ -578,7 +598,7 @@ def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
     problems = _pool_problems(cfg)
     cfg = _colocated_rollout_on_training_devices(cfg)
     problems = (check_equal(verl.equal_checks, config_to_dict(cfg)) + _cross_checks(cfg) + problems
-                + _layout_problems(cfg, name))
+                + _fully_async_problems(cfg) + _layout_problems(cfg, name))
     if problems:
         raise ConfigError(f"{name}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
@@ -927,12 +947,12 @@ def _pool_problems(cfg: RecipeConfig) -> list[str]:
             return [f"{given} = {pool.nnodes or 1} / {pool.devices_per_node} differ from trainer.nnodes / "
                     f"n_gpus_per_node = {cluster.nnodes} / {cluster.devices_per_node}: with "
                     "actor_rollout_ref.hybrid_engine=true the rollout is colocated on the training devices; leave "
-                    "them out, or set hybrid_engine=false with async_training.mode=one_step_off"]
+                    "them out, or set hybrid_engine=false with async_training.mode=one_step_off or fully_async"]
         return []
     out = []
     if mode == "sync":
         out.append("actor_rollout_ref.hybrid_engine=false (a rollout pool of its own) runs with "
-                   "async_training.mode=one_step_off; set that, or hybrid_engine=true")
+                   "async_training.mode=one_step_off or fully_async; set one, or hybrid_engine=true")
     if not layout.separate_rollout:
         out.append(f"actor_rollout_ref.hybrid_engine=false needs the rollout's own devices: set "
                    f"{_ROLLOUT}.n_gpus_per_node (and nnodes, default 1)")
@@ -941,11 +961,34 @@ def _pool_problems(cfg: RecipeConfig) -> list[str]:
         out.append(f"{_ROLLOUT}.name={arr.rollout.name} runs inside the training ranks' torch.distributed world; "
                    f"a rollout pool of its own runs: {runs}")
     if cfg.algorithm.filter_groups.enable:
-        out.append("algorithm.filter_groups (DAPO dynamic sampling) is not implemented with "
-                   "async_training.mode=one_step_off: each step's batch is one generation batch made a step ahead")
+        out.append(f"algorithm.filter_groups (DAPO dynamic sampling) is not implemented with "
+                   f"async_training.mode={mode}: each step's batch is one generation batch made ahead")
     if arr.actor.megatron.router_replay.mode == "R3":
-        out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 with async_training.mode=one_step_off would replay "
-                   "routing chosen by the previous policy version, which is not implemented; use R2 or disabled")
+        out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 with async_training.mode={mode} would replay "
+                   "routing chosen by an earlier policy version, which is not implemented; use R2 or disabled")
+    return out
+
+
+FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout")
+
+
+def _fully_async_problems(cfg: RecipeConfig) -> list[str]:
+    """The fully asynchronous mode's own keys: set off their defaults in another mode (a saved config
+    holds the defaults), or asking for what is not here."""
+    a, defaults = cfg.async_training, AsyncTrainingConfig()
+    if a.mode != "fully_async":
+        changed = [k for k in FULLY_ASYNC_KEYS if getattr(a, k) != getattr(defaults, k)]
+        return [f"async_training.{k}={getattr(a, k)} applies with async_training.mode=fully_async only, not "
+                f"{a.mode}; set that mode or drop the key" for k in changed]
+    out = []
+    if a.require_batches != 1:
+        out.append(f"async_training.require_batches={a.require_batches}: several generation batches per step are "
+                   "not implemented yet (each step trains on one, data.train_batch_size prompts); set 1 and raise "
+                   "data.train_batch_size instead")
+    if a.partial_rollout:
+        out.append("async_training.partial_rollout=true (a generation interrupted by a weight push and resumed "
+                   "under the new weights) is not implemented yet; set false: a push then waits for the generation "
+                   "in flight")
     return out
 
 

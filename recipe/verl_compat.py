@@ -152,14 +152,9 @@ FSDP_ONLY: dict[str, str] = {
 }
 
 UNSUPPORTED: dict[str, str] = {
-    **{f"async_training.{k}": f"a setting of verl's fully asynchronous trainer, not implemented here ({why}); "
-                              "async_training.mode=one_step_off always trains on the batch generated one step ahead"
-       for k, why in (("staleness_threshold", "samples are at most one version old"),
-                      ("trigger_parameter_sync_step", "weights are synced after every update"),
-                      ("require_batches", "one batch per step"),
-                      ("partial_rollout", "no generation is interrupted by a weight sync"),
-                      ("use_rollout_log_probs", "old log-probs are recomputed by the trainer, decoupled PPO"),
-                      ("compute_prox_log_prob", "old log-probs are recomputed by the trainer, decoupled PPO"))},
+    **{f"async_training.{k}": "a setting of verl's fully asynchronous trainer, not implemented here: the old "
+                              "log-probs are always recomputed by the trainer (decoupled PPO)"
+       for k in ("use_rollout_log_probs", "compute_prox_log_prob")},
     "rollout.": "a setting of verl's fully asynchronous trainer's rollouter (only rollout.nnodes and "
                 "rollout.n_gpus_per_node apply here)",
     f"{ARR}.model.override_config.": "HF config overrides: edit the checkpoint's config.json instead",

@@ -1,28 +1,35 @@
-"""async_training.mode=one_step_off: its config, the weight sync to a rollout pool of its own
-across processes, and its schedule end to end (real Ray, megatron-core on gloo ranks, the
-transformers engine in processes of its own)."""
+"""async_training.mode=one_step_off and fully_async: their config, the weight sync to a rollout pool
+of its own across processes, and their schedule end to end (real Ray, megatron-core on gloo ranks,
+the transformers engine in processes of its own)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 
 import pytest
+import torch
 
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
+from recipe.driver.async_schedule import AsyncSchedule
+from recipe.driver.dispatch import Rollout
 from recipe.tracking.loggers import read_jsonl
 from tests.test_recipe_e2e import TINY, VOLATILE, _trainer
 
 ONE_STEP_OFF = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
                 "actor_rollout_ref.rollout.n_gpus_per_node=2"]
+FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engine=false",
+               "actor_rollout_ref.rollout.n_gpus_per_node=2"]
 
 
 # --- config ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["async_training.mode=fully_async"], "fully asynchronous mode .* is not implemented yet; use one_step_off"),
+    (["async_training.mode=fully_async"], "fully_async generates on the rollout's own devices: set "
+                                          "actor_rollout_ref.hybrid_engine=false"),
     (["async_training.mode=one_step_off"], "one_step_off generates on the rollout's own devices: set "
                                            "actor_rollout_ref.hybrid_engine=false"),
     (["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.n_gpus_per_node=2"],
@@ -37,7 +44,21 @@ ONE_STEP_OFF = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_en
     ([*ONE_STEP_OFF, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
      "filter_groups .* not implemented with async_training.mode=one_step_off"),
     ([*ONE_STEP_OFF, "actor_rollout_ref.actor.megatron.router_replay.mode=R3"], "R3 with .* not implemented"),
-    (["async_training.staleness_threshold=0.5"], "fully asynchronous trainer, not implemented here"),
+    (["async_training.staleness_threshold=0.5"], "async_training.staleness_threshold=0.5 applies with "
+                                                 "async_training.mode=fully_async only, not sync"),
+    ([*ONE_STEP_OFF, "async_training.trigger_parameter_sync_step=1"], "trigger_parameter_sync_step=1 applies with "
+                                                                     "async_training.mode=fully_async only, not "
+                                                                     "one_step_off"),
+    ([*FULLY_ASYNC, "async_training.require_batches=2"], "require_batches=2: several generation batches per step "
+                                                        "are not implemented yet"),
+    ([*FULLY_ASYNC, "async_training.partial_rollout=true"], "partial_rollout=true .* is not implemented yet; set "
+                                                           "false"),
+    ([*FULLY_ASYNC, "async_training.staleness_threshold=-0.1"], "staleness_threshold=-0.1: must be >= 0"),
+    ([*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=0"], "trigger_parameter_sync_step=0: must be >= 1"),
+    ([*FULLY_ASYNC, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+     "filter_groups .* not implemented with async_training.mode=fully_async"),
+    ([*FULLY_ASYNC, "actor_rollout_ref.actor.megatron.router_replay.mode=R3"],
+     "R3 with async_training.mode=fully_async .* not implemented"),
     (["rollout.total_rollout_steps=10"], "only rollout.nnodes and rollout.n_gpus_per_node apply here"),
 ])
 def test_async_config_is_checked(overrides, says):
@@ -45,16 +66,105 @@ def test_async_config_is_checked(overrides, says):
         load_config(TINY["gspo"], overrides)
 
 
-def test_one_step_off_config():
+def test_asynchronous_modes_config():
     cfg = load_config(TINY["gspo"], ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
                                      "rollout.nnodes=1", "rollout.n_gpus_per_node=1"])  # verl's recipe spelling
     assert cfg.layout.separate_rollout and cfg.layout.rollout_world_size == 1 and cfg.layout.rollout.dp == 1
     assert cfg.algorithm.rollout_correction.rollout_is == "token"  # on by default in the asynchronous modes
+    assert (cfg.async_training.sync_every, cfg.async_training.max_staleness) == (1, 1)  # push every step, 1 behind
+    fully = load_config(TINY["gspo"], FULLY_ASYNC)
+    assert fully.algorithm.rollout_correction.rollout_is == "token" and fully.layout.rollout_world_size == 2
     off = load_config(TINY["gspo"], [*ONE_STEP_OFF, "algorithm.rollout_correction.rollout_is=null"])
     assert off.algorithm.rollout_correction.rollout_is is None  # ... unless the recipe says otherwise
     sync = load_config(TINY["gspo"], ["actor_rollout_ref.rollout.n_gpus_per_node=2"])  # verl's colocated mirror
     assert sync.async_training.mode == "sync" and not sync.algorithm.rollout_correction.rollout_is
     assert sync.layout.rollout_world_size == 2
+
+
+@pytest.mark.parametrize("overrides, sync_every, max_staleness", [
+    ([], 4, 3),  # verl's defaults: T=4, staleness_threshold=0.1 (floor(0.4) = 0 batches beyond the interval)
+    (["async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0.5"], 2, 2),
+    (["async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=0"], 1, 0),
+    (["async_training.trigger_parameter_sync_step=10", "async_training.staleness_threshold=0.3"], 10, 12),  # not 11
+])
+def test_fully_async_bounds_staleness_by_the_sync_interval_and_the_threshold(overrides, sync_every, max_staleness):
+    a = load_config(TINY["gspo"], [*FULLY_ASYNC, *overrides]).async_training
+    assert (a.sync_every, a.max_staleness) == (sync_every, max_staleness)
+
+
+# --- the schedule alone, with a rollout pool that answers at once or later ----------------------
+
+
+class _Pool:
+    """Dispatch's generation calls: a generation is done when ``finished`` says so at the first poll
+    that asks (collect always gets it); records each send's step and the version the engines held."""
+
+    def __init__(self, finished):
+        self.finished, self.sent, self.schedule = finished, [], None
+
+    def start(self, step):
+        self.sent.append((step, self.schedule.pushed))
+        return step
+
+    def done(self, pending):
+        return next(self.finished)
+
+    def collect(self, pending):
+        return Rollout([], torch.zeros(0), [], [], [])
+
+
+def _staleness(sync_every, max_staleness, steps, validated, finished, resumed=0):
+    """Run the schedule as the trainer does, from step ``resumed`` on; the staleness of each step's
+    batch and the pool's sends."""
+    pool = _Pool(finished)
+    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=resumed)
+    behind = []
+    for step in range(resumed + 1, steps + 1):
+        behind.append(step - 1 - schedule.batch(step).policy_version)
+        if schedule.push_due(step) or step in validated:
+            schedule.push(step, dict)
+        else:
+            schedule.poll()
+    return behind, pool.sent
+
+
+@pytest.mark.parametrize("sync_every, max_staleness, validated", [
+    (1, 1, ()), (1, 0, ()), (1, 3, ()), (4, 3, ()), (2, 2, ()), (2, 2, (3,)), (3, 5, (4, 5)),
+])
+def test_each_batch_comes_from_the_first_pushed_version_that_keeps_it_within_the_bound(sync_every, max_staleness,
+                                                                                      validated):
+    """Whether the rollout keeps up or not (every poll finds the generation done, none does, or some
+    do), batch b is generated under the first pushed version p with b - 1 - p <= K, never under a
+    version past the bound, and every batch is sent once, in step order."""
+    import random
+
+    steps = 12
+    pushes = sorted({0, *range(sync_every, steps + 1, sync_every), *validated})
+    expected = [b - 1 - min(p for p in pushes if b - 1 - p <= max_staleness) for b in range(1, steps + 1)]
+    rng = random.Random(0)
+    for finished in (itertools.repeat(True), itertools.repeat(False), iter(lambda: rng.random() < 0.5, None)):
+        behind, sent = _staleness(sync_every, max_staleness, steps, validated, finished)
+        assert behind == expected
+        assert [step for step, _ in sent] == list(range(1, steps + 1))
+        assert all(step - 1 - version <= max_staleness for step, version in sent)
+    assert max(expected) == max_staleness or steps <= max_staleness
+
+
+def test_one_step_off_and_the_synchronous_bound_stalenesses():
+    ready = itertools.repeat(True)
+    assert _staleness(1, 1, 4, (), ready)[0] == [0, 1, 1, 1]  # one_step_off: T = 1, K = 1
+    assert _staleness(1, 0, 4, (), ready)[0] == [0, 0, 0, 0]  # staleness_threshold=0, T = 1: on-policy
+    assert _staleness(4, 3, 8, (), ready)[0] == [0, 1, 2, 3, 0, 1, 2, 3]  # verl's defaults: T = 4, K = 3
+
+
+def test_a_resumed_schedule_starts_from_the_resumed_weights():
+    """Resumed after step 3 (T = 2, K = 2): the engines hold v3, so batches 4-6 come from it (0, 1, 2
+    behind), batch 7 from step 4's push; the uninterrupted run's were 1, 2, 1, 2 behind."""
+    ready = itertools.repeat(True)
+    assert _staleness(2, 2, 8, (), ready)[0] == [0, 1, 2, 1, 2, 1, 2, 1]
+    behind, sent = _staleness(2, 2, 8, (), ready, resumed=3)
+    assert behind == [0, 1, 2, 2, 1]
+    assert sent == [(4, 3), (5, 3), (6, 3), (7, 4), (8, 6)]
 
 
 # --- end to end --------------------------------------------------------------------------------
@@ -116,13 +226,62 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
     assert later[0]["data/prompt_hash"] != got["data/prompt_hash"]
 
 
+@pytest.mark.slow
+def test_fully_async_pushing_every_step_with_one_batch_ahead_is_one_step_off(tmp_path, fresh_ray):
+    """trigger_parameter_sync_step=1 and staleness_threshold=1 (K = 0 + floor(1 x 1) = 1) is one_step_off's
+    schedule: the same batches made under the same versions, so three steps log the same numbers."""
+    one_batch_ahead = ["async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1"]
+    runs = {}
+    for name, overrides in (("one_step_off", ONE_STEP_OFF), ("fully_async", FULLY_ASYNC + one_batch_ahead)):
+        fresh_ray.shutdown()
+        trainer = _trainer(tmp_path, name, overrides + ["trainer.total_training_steps=3"])
+        try:
+            runs[name] = [trainer.train_step(step) for step in (1, 2, 3)]
+        finally:
+            trainer.close()
+    timed = ("timing_s/", "perf/", "reshard/export_s", "reshard/broadcast_gb_per_s")
+    off, fully = ([{k: v for k, v in m.items() if not k.startswith(timed)} for m in run] for run in runs.values())
+    assert fully == off
+    assert [m["async/staleness_max"] for m in fully] == [0.0, 1.0, 1.0]
+    assert [m["async/weight_pushes"] for m in fully] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_fully_async_holds_generation_back_to_the_staleness_bound(tmp_path, fresh_ray):
+    """T=2, staleness_threshold=0.5: K = 2 - 1 + floor(0.5 x 2) = 2. With a rollout rank a second slower
+    per generation, each batch still comes from the first pushed version that keeps it within K of the
+    policy that trains on it: batch 4 is held back from v0 (it would be 3 behind) until step 2's push.
+    A validation (test_freq=3: steps 3 and 4) pushes the weights first."""
+    sync_every, max_staleness = 2, 2
+    run = [*FULLY_ASYNC, f"async_training.trigger_parameter_sync_step={sync_every}",
+           "async_training.staleness_threshold=0.5", "trainer.total_training_steps=4", "trainer.test_freq=3"]
+    trainer = _trainer(tmp_path, "bounded", run)
+    try:
+        _plant(trainer.rollout_workers.workers[0], "rollout.generate", 1, "slow")
+        trainer.fit()
+    finally:
+        trainer.close()
+    logged = read_jsonl(str(tmp_path / "bounded" / "metrics.jsonl"))
+    steps = [1, 2, 3, 4]
+    pushed_after = [0, 2, 3]  # the initial weights, every T steps, before each validation (step 4's is the last)
+    version = [min(p for p in pushed_after if step <= p + max_staleness + 1) for step in steps]
+    assert [m["async/staleness_max"] for m in logged] == [step - 1 - v for step, v in zip(steps, version)] \
+        == [0.0, 1.0, 2.0, 1.0]
+    assert max(m["async/staleness_max"] for m in logged) == max_staleness
+    assert [m["async/weight_pushes"] for m in logged] == [0.0, 1.0, 1.0, 1.0]
+    assert [("val/score/mean" in m, "reshard/broadcast_bytes" in m) for m in logged] == [
+        (False, False), (False, True), (True, True), (True, True)]
+    assert logged[0]["timing_s/wait_rollout"] >= 1.0  # batch 1, slowed, waited for in full
+
+
 # --- faults: each one line naming what failed, no hang, the checkpoint resumable ---------------------
 
 
 def _plant(actor, attribute: str, call: int, fault: str) -> None:
     """Plant a fault in a worker's process, as a crash or a hang would strike it there: ``attribute``
     (a dotted path from the Ray actor's instance to a method) works as before until its ``call``-th
-    call from now, which ends the process (``fault="exit"``) or never returns (``"stall"``)."""
+    call from now, which ends the process (``fault="exit"``), never returns (``"stall"``) or, with
+    every later call, takes a second longer (``"slow"``)."""
     import ray
 
     def plant(instance):
@@ -136,10 +295,11 @@ def _plant(actor, attribute: str, call: int, fault: str) -> None:
         original, calls = getattr(owner, name), itertools.count(1)
 
         def planted(*args, **kwargs):
-            if next(calls) == call:
-                if fault == "exit":
-                    os._exit(1)
-                time.sleep(3600)
+            count = next(calls)
+            if count == call and fault == "exit":
+                os._exit(1)
+            if count >= call and fault != "exit":
+                time.sleep(1 if fault == "slow" else 3600)
             return original(*args, **kwargs)
 
         setattr(owner, name, planted)

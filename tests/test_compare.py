@@ -52,15 +52,28 @@ def test_async_variants_run_one_step_off_on_a_pool_as_large_as_the_training_pool
     assert cfg.layout.rollout_world_size == 2 and cfg.layout.rollout.dp == 2  # the synchronous run's rollout layout
 
 
+def test_async_variants_beyond_one_run_fully_async_bounded_by_their_staleness():
+    pool = ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2")
+    fully_async = ("async_training.mode=fully_async", "actor_rollout_ref.hybrid_engine=false",
+                   "async_training.trigger_parameter_sync_step=1")
+    assert variant_overrides("gspo_async2", TINY_POOL) == (
+        "algo=gspo", *fully_async, "async_training.staleness_threshold=2", *pool)
+    assert variant_overrides("grpo_tis_async5", (2, 8)) == (
+        "algo=grpo", "algorithm.rollout_correction.rollout_is=token", *fully_async,
+        "async_training.staleness_threshold=5", "actor_rollout_ref.rollout.nnodes=2",
+        "actor_rollout_ref.rollout.n_gpus_per_node=8")
+    for staleness in (1, 2, 3, 7):  # the name's K is the config's bound
+        overrides = list(variant_overrides(f"gspo_async{staleness}", TINY_POOL))
+        a = load_config(str(REPO / "configs/recipe/tiny_gspo.yaml"), overrides).async_training
+        assert (a.sync_every, a.max_staleness) == (1, staleness)
+
+
 @pytest.mark.parametrize("name, says", [
-    ("gspo_async2", "variant 'gspo_async2': async2: only async1 (async_training.mode=one_step_off, samples one "
-                    "policy version behind) exists yet; a staleness of 2 needs the fully asynchronous mode, which "
-                    "is not implemented; use gspo_async1"),
-    ("grpo_r2_async3", "a staleness of 3 needs the fully asynchronous mode, which is not implemented; use "
-                       "grpo_r2_async1"),
     ("gspo_async0", "variant 'gspo_async0': async0 would be the synchronous run; leave the part out"),
     ("gspo_async1_async1", "parts after the algorithm must be distinct"),
-    ("gspo_async", "parts after the algorithm must be distinct ones of r2, r3, tis, async1"),
+    ("gspo_async1_async2", "parts after the algorithm must be distinct ones of r2, r3, tis, asyncK (at most one of "
+                           "r2, r3 and one asyncK)"),
+    ("gspo_async", "parts after the algorithm must be distinct ones of r2, r3, tis, asyncK"),
 ])
 def test_other_staleness_is_refused_in_one_line(name, says):
     with pytest.raises(ConfigError, match=re.escape(says)) as info:
@@ -73,8 +86,8 @@ def test_r3_with_async_is_refused_naming_the_variant_before_anything_runs(tmp_pa
         run_comparison(str(REPO / "configs/recipe/tiny_grpo.yaml"), ["grpo", "grpo_r3_async1"], [1],
                        str(tmp_path / "out"), [])
     assert str(info.value).startswith("variant 'grpo_r3_async1': ")
-    assert "router_replay.mode=R3 with async_training.mode=one_step_off would replay routing chosen by the " \
-           "previous policy version" in str(info.value)
+    assert "router_replay.mode=R3 with async_training.mode=one_step_off would replay routing chosen by an " \
+           "earlier policy version" in str(info.value)
     assert not (tmp_path / "out").exists()  # not even the first variant's directory
 
 
@@ -135,10 +148,10 @@ def test_bad_inputs_are_named_without_a_traceback(tmp_path):
     assert out.returncode == 2 and "train_batch_size" in out.stderr and not any(tmp_path.iterdir())
     out = _compare(str(tmp_path / "missing"), "--out", str(tmp_path / "report"))
     assert out.returncode == 2 and "missing" in out.stderr
-    out = _compare("--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo,gspo_async2",
+    out = _compare("--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo,gspo_async0",
                    "--out", str(tmp_path))
     assert out.returncode == 2 and not any(tmp_path.iterdir())
-    assert out.stderr.strip().splitlines()[-1].startswith("error: variant 'gspo_async2': async2: only async1 ")
+    assert out.stderr.strip().splitlines()[-1].startswith("error: variant 'gspo_async0': async0 would be ")
 
 
 @pytest.mark.slow
@@ -242,6 +255,23 @@ def test_an_async_variant_is_compared_with_its_synchronous_run(tmp_path):
     differences = report.split("## Config differences")[1].split("##")[0]
     assert '| `algorithm.rollout_correction.rollout_is` | null | "token" |' in differences
     assert '| `actor_rollout_ref.rollout.n_gpus_per_node` | null | 2 |' in differences
+
+
+@pytest.mark.slow
+def test_an_async2_variant_reaches_two_versions_behind_at_step_three(tmp_path):
+    """gspo_async2 for 3 steps: fully_async pushing every step with two batches allowed ahead, so its
+    samples are 0, 1, then 2 policy versions behind, and the report's maximum is the name's K."""
+    args = ["--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo_async2", "--out", str(tmp_path),
+            "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "trainer.val_before_train=false"]
+    out = _compare(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = read_jsonl(str(tmp_path / "gspo_async2" / "seed_1" / "metrics.jsonl"))
+    assert [m["async/staleness_max"] for m in logged] == [0.0, 1.0, 2.0]
+    assert [m["async/weight_pushes"] for m in logged] == [1.0, 1.0, 1.0]
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    stats = summary["variants"][0]["stats"]
+    assert (stats["staleness_mean"], stats["staleness_max"]) == (1.0, 2.0)
 
 
 @pytest.mark.slow

@@ -174,7 +174,8 @@ def test_mirrored_keys_must_agree():
     ("actor_rollout_ref.actor.strategy=fsdp2", "strategy='fsdp2' is not supported: the actor is Megatron-Core"),
     ("actor_rollout_ref.rollout.free_cache_engine=false", "free_cache_engine=False is not supported"),
     ("trainer.critic_warmup=5", "critic_warmup=5 is not supported: GRPO and GSPO have no critic"),
-    ("async_training.staleness_threshold=0.5", "fully asynchronous trainer"),
+    ("async_training.use_rollout_log_probs=true", "fully asynchronous trainer, not implemented here: the old "
+                                                  "log-probs are always recomputed"),
 ])
 def test_what_does_not_apply_is_refused_with_the_reason(override, says):
     with pytest.raises(ConfigError, match=says):

@@ -1,5 +1,5 @@
 """Compare GRPO, GRPO with routing replay and GSPO on the same prompts, seeds and initial weights,
-synchronous or one step off policy.
+synchronous or with samples K policy versions behind.
 
     python -m recipe.compare --config configs/recipe/tiny_stability.yaml --variants grpo,grpo_r2,gspo \\
         [--seeds 1,2,3] [--out runs/compare/NAME] [key.sub=value ...]
@@ -7,12 +7,13 @@ synchronous or one step off policy.
 
 A variant is an algorithm (``grpo``, ``gspo``: ``configs/algo``) and optional parts joined by
 ``_``: ``r2`` / ``r3`` (routing replay), ``tis`` (token-level truncated IS rollout correction),
-``asyncK`` (samples K policy versions behind the update: ``async1`` is
-``async_training.mode=one_step_off``, the only one yet, on a rollout pool of its own as large as
-the recipe's training pool, ``trainer.nnodes`` x ``n_gpus_per_node``), e.g. ``grpo_r2``,
-``gspo_r3``, ``grpo_tis``, ``gspo_async1``. async1 also turns the token-level IS correction on
-(the mode's default unless the overrides set ``rollout_is``, docs/async.md), so ``gspo_tis`` is
-its synchronous counterpart; r3 with async1 is refused with the config's reason before anything
+``asyncK`` (samples up to K policy versions behind the update, K from step K + 1 on: ``async1`` is
+``async_training.mode=one_step_off``, K >= 2 ``fully_async`` pushing the weights after every step with
+K batches allowed ahead; on a rollout pool of its own as large as the recipe's training pool,
+``trainer.nnodes`` x ``n_gpus_per_node``), e.g. ``grpo_r2``, ``gspo_r3``, ``grpo_tis``,
+``gspo_async1``, ``gspo_async2``. asyncK also turns the token-level IS correction on (the modes'
+default unless the overrides set ``rollout_is``, docs/async.md), so ``gspo_tis`` is its
+synchronous counterpart; r3 with asyncK is refused with the config's reason before anything
 runs. Every variant of one seed runs with that seed as
 ``trainer.seed`` (sampling) and ``data.seed`` (prompt order), from the recipe's checkpoint, so the
 first step of every variant sees the same prompts and samples the same responses; each run logs
@@ -43,9 +44,8 @@ VARIANT_PARTS: dict[str, tuple[str, ...]] = {
     "r3": ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
     "tis": ("algorithm.rollout_correction.rollout_is=token",),
-    "async1": ("async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false"),
 }
-ASYNC_PART = re.compile(r"async(\d+)")
+ASYNC_PART = re.compile(r"async(\d+)")  # asyncK: samples up to K policy versions behind (async_overrides)
 # the rollout pool an async part gives the variant: as large as the training pool (pool_overrides)
 ROLLOUT_POOL_KEYS = ("actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node")
 DEFAULT_VARIANTS = "grpo,grpo_r2,gspo"
@@ -66,12 +66,14 @@ def _parts(name: str) -> tuple[str, list[str]]:
     algo, *parts = name.split("_")
     if algo not in ALGOS:
         raise ConfigError(f"variant {name!r}: starts with {algo!r}, expected an algorithm: {', '.join(ALGOS)}")
-    for part in parts:
-        _refuse_other_staleness(name, part)
-    unknown = [p for p in parts if p not in VARIANT_PARTS]
-    if unknown or len(set(parts)) < len(parts) or {"r2", "r3"} <= set(parts):
+    stale = [p for p in parts if ASYNC_PART.fullmatch(p)]
+    unknown = [p for p in parts if p not in VARIANT_PARTS and p not in stale]
+    if unknown or len(set(parts)) < len(parts) or {"r2", "r3"} <= set(parts) or len(stale) > 1:
         raise ConfigError(f"variant {name!r}: parts after the algorithm must be distinct ones of "
-                          f"{', '.join(VARIANT_PARTS)} (at most one of r2, r3), e.g. grpo_r2")
+                          f"{', '.join(VARIANT_PARTS)}, asyncK (at most one of r2, r3 and one asyncK), e.g. grpo_r2, "
+                          "gspo_async2")
+    for part in stale:
+        _staleness(name, part)
     return algo, parts
 
 
@@ -79,28 +81,38 @@ def variant_overrides(name: str, training_pool: tuple[int, int]) -> tuple[str, .
     """The recipe overrides that make variant ``name``; ``training_pool`` is the recipe's
     (``trainer.nnodes``, ``trainer.n_gpus_per_node``), the size an async part gives the rollout pool."""
     algo, parts = _parts(name)
-    overrides = (f"algo={algo}",) + tuple(o for p in parts for o in VARIANT_PARTS[p])
-    return overrides + (pool_overrides(training_pool) if "async1" in parts else ())
+    overrides = (f"algo={algo}",)
+    for part in parts:
+        overrides += VARIANT_PARTS[part] if part in VARIANT_PARTS else async_overrides(_staleness(name, part))
+    stale = any(p not in VARIANT_PARTS for p in parts)
+    return overrides + (pool_overrides(training_pool) if stale else ())
 
 
 def variant_keys(name: str | None = None) -> set[str]:
-    """The config keys variant ``name``'s overrides set; without a name, those any variant may set."""
-    parts = _parts(name)[1] if name is not None else list(VARIANT_PARTS)
-    return {"algo", *(o.split("=")[0] for p in parts for o in VARIANT_PARTS[p]),
-            *(ROLLOUT_POOL_KEYS if "async1" in parts else ())}
+    """The config keys variant ``name``'s overrides set; without a name, those any variant may set
+    (async2's set every key async1's do, and the fully asynchronous mode's own)."""
+    names = [name] if name is not None else [f"{ALGOS[0]}_{part}" for part in (*VARIANT_PARTS, "async2")]
+    return {o.split("=")[0] for n in names for o in variant_overrides(n, (1, 1))}
 
 
-def _refuse_other_staleness(name: str, part: str) -> None:
-    """An ``asyncK`` part other than async1: one line saying what exists."""
-    found = ASYNC_PART.fullmatch(part)
-    staleness = int(found.group(1)) if found else 1
-    if staleness == 1:
-        return  # async1, or not an async part (checked with the others)
+def _staleness(name: str, part: str) -> int:
+    """K of an ``asyncK`` part, at least 1."""
+    staleness = int(ASYNC_PART.fullmatch(part).group(1))
     if staleness == 0:
         raise ConfigError(f"variant {name!r}: {part} would be the synchronous run; leave the part out")
-    raise ConfigError(f"variant {name!r}: {part}: only async1 (async_training.mode=one_step_off, samples one "
-                      f"policy version behind) exists yet; a staleness of {staleness} needs the fully "
-                      f"asynchronous mode, which is not implemented; use {name.replace(part, 'async1')}")
+    return staleness
+
+
+def async_overrides(staleness: int) -> tuple[str, ...]:
+    """The mode of part ``async{staleness}``: samples up to K = ``staleness`` policy versions behind the
+    update that uses them, exactly K from step K + 1 on. K = 1 is one_step_off; K >= 2 is fully_async
+    pushing the weights after every step (T = 1) with K batches allowed ahead (staleness_threshold = K),
+    whose bound T - 1 + floor(staleness_threshold x T) is K (docs/async.md)."""
+    own_pool = "actor_rollout_ref.hybrid_engine=false"
+    if staleness == 1:
+        return ("async_training.mode=one_step_off", own_pool)
+    return ("async_training.mode=fully_async", own_pool, "async_training.trigger_parameter_sync_step=1",
+            f"async_training.staleness_threshold={staleness}")
 
 
 def pool_overrides(training_pool: tuple[int, int]) -> tuple[str, ...]:
@@ -205,9 +217,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m recipe.compare",
         description="Run GRPO / GSPO variants on the same prompts, seeds and weights, then write the comparison "
         "report; or, given finished run directories, only the report.",
-        epilog=f"variants: an algorithm ({', '.join(ALGOS)}) and parts {', '.join(VARIANT_PARTS)} joined by _, "
-        "e.g. grpo,grpo_r2,gspo,gspo_async1 (async1: one step off policy, on a rollout pool as large as the "
-        "training pool). Exit status: 0 done, 1 a run failed, 2 bad input.",
+        epilog=f"variants: an algorithm ({', '.join(ALGOS)}) and parts {', '.join(VARIANT_PARTS)}, asyncK joined by "
+        "_, e.g. grpo,grpo_r2,gspo,gspo_async1 (asyncK: samples up to K policy versions behind, on a "
+        "rollout pool as large as the training pool). Exit status: 0 done, 1 a run failed, 2 bad input.",
     )
     p.add_argument("--config", help="recipe YAML or shipped name: run the variants (else: report on RUN_DIRs)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variants (default: %(default)s)")

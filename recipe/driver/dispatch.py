@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ray
 import torch
 
 from megatron_bridge.moe.table import RoutingRecord, merge_records
@@ -74,6 +75,12 @@ class Dispatch:
             lo, hi = shares[rank // self.rollout_tp]
             args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(first_row + lo, first_row + hi)), params))
         return PendingRollout(rows, n, self.generators.submit("generate", args))
+
+    @staticmethod
+    def done(pending: PendingRollout) -> bool:
+        """Every rollout rank has answered the generation (``collect`` would not wait)."""
+        ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
+        return len(ready) == len(pending.refs)
 
     def collect(self, pending: PendingRollout) -> Rollout:
         """The generation's samples, once every rollout rank has answered (the first rank of each

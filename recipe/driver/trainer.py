@@ -7,8 +7,9 @@ One step (``Trainer.train_step``)::
             ─▶ old log-probs (actor) [─▶ ref log-probs] ─▶ update (mini-batches x epochs) ─▶ weight sync
             ─▶ metrics [─▶ validation] [─▶ checkpoint]
 
-With ``async_training.mode=one_step_off`` the rollout has its own workers and the next step's
-generation runs during this step's update (``one_step_off``); the step reads the same.
+With ``async_training.mode=one_step_off`` or ``fully_async`` the rollout has its own workers,
+generates batches ahead while the trainer updates and gets the weights every T steps
+(``async_schedule``); the step reads the same.
 
 Beside it in ``recipe.driver``: ``dispatch`` (every call to the workers: shares out, results
 back), ``dynamic_sampling`` (the step's samples, with DAPO's group filter), ``checkpoint``
@@ -53,7 +54,7 @@ from recipe.data.tiny_task import resolve_builtin
 from recipe.driver import checkpoint, dynamic_sampling
 from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
 from recipe.driver.dispatch import Dispatch, PendingRollout, Rollout
-from recipe.driver.one_step_off import OneStepOff
+from recipe.driver.async_schedule import AsyncSchedule
 from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
 from recipe.driver.signals import DriverSignals, Stopped
 from recipe.reward import OverlongConfig, RewardOutput, make_reward_fn, score_responses
@@ -101,7 +102,7 @@ class Trainer:
         self.started_ray = False  # by start(); train() shuts it down
         self.workers: WorkerGroup | None = None
         self.rollout_workers: WorkerGroup | None = None  # a rollout pool of its own
-        self.ahead: OneStepOff | None = None  # one_step_off: the next step's generation
+        self.ahead: AsyncSchedule | None = None  # the asynchronous modes: the batches generated ahead
         self.pending_save: Path | None = None  # a background save's temporary directory
 
     # --- set-up ------------------------------------------------------------------------------
@@ -151,7 +152,9 @@ class Trainer:
         if self.rollout_workers is not None:  # the engines get the actor's weights, resumed or initial
             self.rollout_workers.get(starting, "start-up")
             self.dispatch.connect_rollout()
-            self.ahead = OneStepOff(self.dispatch, self.total_steps)
+            a = cfg.async_training
+            self.ahead = AsyncSchedule(self.dispatch, self.start_generation, self.total_steps, a.sync_every,
+                                       a.max_staleness, self.step)
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
         loggers = t.logger if on_terminal() or "console" in t.logger else [*t.logger, "console"]
         self.tracking = Tracking(str(self.dir), loggers, t.project_name, t.experiment_name, config_to_dict(cfg),
@@ -175,9 +178,7 @@ class Trainer:
                     e.add_note(f"in step {self.step + 1}; {self.progress()}")
                     raise
                 self.step += 1
-                if t.test_freq > 0 and self.val_data is not None and (
-                    self.step % t.test_freq == 0 or self.step == self.total_steps
-                ):
+                if self.validates_after(self.step):
                     metrics.update(self.validate())
                 saved = t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps)
                 if saved:
@@ -227,11 +228,7 @@ class Trainer:
             if t.routing_drift_freq > 0 and step % t.routing_drift_freq == 0:
                 with timer("routing_drift"):
                     drift = self.dispatch.sample_routing(batch, t.routing_drift_rows)
-            if self.ahead is not None:
-                with timer("wait_rollout"):  # one_step_off: the next batch is done before its engines get new weights
-                    self.ahead.finish()
-            with timer("reshard"):
-                sync = self.dispatch.sync_weights()
+            sync = self.push_weights(step, timer)
         metrics = data_metrics(
             scores, advantages, response_lengths, batch[PROMPT_LENGTHS],
             cfg.data.max_response_length, acc=torch.tensor(rewards.acc, dtype=torch.float32),
@@ -269,14 +266,35 @@ class Trainer:
         cfg = self.cfg
 
         def generate(index: int) -> tuple[Rollout, RewardOutput]:
-            if self.ahead is not None:  # one_step_off: made during the step before (one generation batch per step)
-                rollout = self.ahead.batch(step, self.start_generation)
+            if self.ahead is not None:  # made ahead (one generation batch per step)
+                rollout = self.ahead.batch(step)
             else:
                 rollout = self.dispatch.collect(self.start_generation(step, index))
             return rollout, self.rewards(rollout)
 
         return dynamic_sampling.sample(generate, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size,
                                        cfg.algorithm.filter_groups, step)
+
+    def push_weights(self, step: int, timer: Timer) -> dict[str, float]:
+        """The update's weights to the engines (``timing_s/reshard``): colocated ones after every step;
+        a rollout pool of its own when the schedule's push is due and before a validation (which
+        then sees the current policy), else the rollout goes on generating."""
+
+        def sync() -> dict[str, float]:
+            with timer("reshard"):
+                return self.dispatch.sync_weights()
+
+        if self.ahead is None:
+            return sync()
+        if self.ahead.push_due(step) or self.validates_after(step):
+            return self.ahead.push(step, sync)
+        self.ahead.poll()
+        return {}
+
+    def validates_after(self, step: int) -> bool:
+        """A validation follows step ``step``: every ``trainer.test_freq`` steps and after the last."""
+        t = self.cfg.trainer
+        return t.test_freq > 0 and self.val_data is not None and (step % t.test_freq == 0 or step == self.total_steps)
 
     def start_generation(self, step: int, index: int = 0) -> PendingRollout:
         """The sampler's next prompts sent to the rollout ranks as ``step``'s ``index``-th generation

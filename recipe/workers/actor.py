@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from megatron_bridge.errors import ConfigError
 from megatron_bridge.runtime.batch import INPUT_IDS, ROUTED_EXPERTS
 from megatron_bridge.runtime.offload import KINDS
 from recipe.config import RecipeConfig

@@ -1,0 +1,104 @@
+"""The asynchronous modes' schedule (docs/async.md): batches generated ahead on a rollout pool of
+its own (``recipe.workers.separate``), the weights pushed to it every T steps, no sample more than
+K policy versions behind the policy that trains on it.
+
+Policy version v is the weights after v updates; step t trains on batch t with version t-1, so a
+batch made under version p is t - 1 - p versions stale. The engines hold the last pushed version
+p, and batch b may be generated under it only while b - 1 - p <= K; a batch past the bound is held
+back until the next push, never generated and dropped. Generation runs one batch at a time, in
+step order; the next is sent as soon as the last one is collected and the bound allows. Before a
+push the driver generates every batch the outgoing version may still make (waiting for them), so
+a batch is never made by two versions and batch b always comes from the first pushed version p
+with b <= p + K + 1, however fast generation runs.
+
+``one_step_off`` is T = 1, K = 1 (verl's one-step-off-policy recipe)::
+
+    step 1:  generate batch 1 (v0) and wait for it   | send batch 2 off (v0)  | train on 1 -> v1 | wait for 2, push v1
+    step t:  take batch t (made during step t-1)     | send batch t+1 off     | train on t -> vt | wait for t+1, push vt
+             (v_{t-2}: one version behind v_{t-1})   | (v_{t-1})
+
+``fully_async``: T = ``trigger_parameter_sync_step``, K = T - 1 + floor(``staleness_threshold`` x T)
+(``recipe.config.AsyncTrainingConfig``). The actor recomputes the old log-probs of batch t under
+v_{t-1} (decoupled PPO: the policy that made the samples need not be the proximal one), and the
+rollout correction weighs the gap between them and the engine's log-probs (on by default in both
+modes).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from recipe.driver.dispatch import Dispatch, PendingRollout, Rollout
+
+
+class AsyncSchedule:
+    def __init__(self, dispatch: Dispatch, start: Callable[[int], PendingRollout], total_steps: int,
+                 sync_every: int, max_staleness: int, step: int):
+        """``start(s)`` sends step s's prompts (with its seeds) to the rollout pool; ``step`` is the
+        last completed step, whose weights the engines hold (a fresh run's 0, a resumed run's)."""
+        self.dispatch, self.start, self.total_steps = dispatch, start, total_steps
+        self.sync_every, self.max_staleness = sync_every, max_staleness
+        self.pushed = step  # the policy version the engines hold
+        self.next_step = step + 1  # whose batch is sent next
+        self.in_flight: tuple[int, int, PendingRollout] | None = None  # (its step, its version, the generation)
+        self.made: dict[int, Rollout] = {}  # collected, not yet taken, by step
+        self.waited = 0.0  # seconds the trainer waited for generations since the last metrics()
+        self.pushes = 0  # weight pushes since the last metrics()
+
+    def batch(self, step: int) -> Rollout:
+        """Step ``step``'s batch: made ahead, or generated now (the first step of a run or of a
+        resumed run, or a rollout slower than the trainer)."""
+        self._send_next()
+        while step not in self.made:  # batch ``step`` is within the bound: K >= T - 1
+            self._advance()
+        return self.made.pop(step)
+
+    def poll(self) -> None:
+        """Collect the generation in flight if it is done, and send the next one: the rollout need
+        not idle until the trainer next asks for a batch."""
+        if self.in_flight is not None and self.dispatch.done(self.in_flight[2]):
+            self._advance()
+
+    def push_due(self, step: int) -> bool:
+        """The weights of step ``step``'s update go to the engines every ``sync_every`` steps."""
+        return step % self.sync_every == 0
+
+    def push(self, step: int, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Push step ``step``'s weights with ``sync()``, once the engines have made every batch the
+        outgoing version may still make and are idle; returns what ``sync`` returned. (Each batch is
+        sent as soon as the bound allows: with none in flight, the next is past it.)"""
+        while self.in_flight is not None:
+            self._advance()
+        result = sync()
+        self.pushed = step
+        self.pushes += 1
+        return result
+
+    def _send_next(self) -> None:
+        """Send the next batch unless one is in flight, the run has no more steps, or it would be more
+        than ``max_staleness`` versions behind the policy that trains on it (held back until a push)."""
+        step = self.next_step
+        if self.in_flight is not None or step > self.total_steps or step - 1 - self.pushed > self.max_staleness:
+            return
+        self.in_flight = (step, self.pushed, self.start(step))
+        self.next_step += 1
+
+    def _advance(self) -> None:
+        """Wait for the generation in flight, then send the next one."""
+        (step, version, pending), self.in_flight = self.in_flight, None
+        clock = time.perf_counter()
+        self.made[step] = self.dispatch.collect(pending)
+        self.waited += time.perf_counter() - clock
+        self.made[step].policy_version = version
+        self._send_next()
+
+    def metrics(self, step: int, rollout: Rollout) -> dict[str, float]:
+        """How stale the step's samples were (versions behind the policy that scored them), how long
+        the trainer waited for generations, generation as the rollout ranks timed it, and whether
+        the step pushed its weights."""
+        waited, self.waited = self.waited, 0.0
+        pushes, self.pushes = self.pushes, 0
+        behind = float(step - 1 - rollout.policy_version)  # one generation batch: every sample alike
+        return {"async/staleness_mean": behind, "async/staleness_max": behind, "async/weight_pushes": float(pushes),
+                "timing_s/wait_rollout": waited, "timing_s/gen": rollout.gen_seconds}
