@@ -963,9 +963,6 @@ def _pool_problems(cfg: RecipeConfig) -> list[str]:
     if cfg.algorithm.filter_groups.enable:
         out.append(f"algorithm.filter_groups (DAPO dynamic sampling) is not implemented with "
                    f"async_training.mode={mode}: each step's batch is one generation batch made ahead")
-    if arr.actor.megatron.router_replay.mode == "R3":
-        out.append(f"{_ACTOR}.megatron.router_replay.mode=R3 with async_training.mode={mode} would replay "
-                   "routing chosen by an earlier policy version, which is not implemented; use R2 or disabled")
     return out
 
 

@@ -43,7 +43,6 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
     ([*ONE_STEP_OFF, "actor_rollout_ref.rollout.expert_parallel_size=4"], "expert_parallel_size=4"),
     ([*ONE_STEP_OFF, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
      "filter_groups .* not implemented with async_training.mode=one_step_off"),
-    ([*ONE_STEP_OFF, "actor_rollout_ref.actor.megatron.router_replay.mode=R3"], "R3 with .* not implemented"),
     (["async_training.staleness_threshold=0.5"], "async_training.staleness_threshold=0.5 applies with "
                                                  "async_training.mode=fully_async only, not sync"),
     ([*ONE_STEP_OFF, "async_training.trigger_parameter_sync_step=1"], "trigger_parameter_sync_step=1 applies with "
@@ -57,8 +56,6 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
     ([*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=0"], "trigger_parameter_sync_step=0: must be >= 1"),
     ([*FULLY_ASYNC, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
      "filter_groups .* not implemented with async_training.mode=fully_async"),
-    ([*FULLY_ASYNC, "actor_rollout_ref.actor.megatron.router_replay.mode=R3"],
-     "R3 with async_training.mode=fully_async .* not implemented"),
     (["rollout.total_rollout_steps=10"], "only rollout.nnodes and rollout.n_gpus_per_node apply here"),
 ])
 def test_async_config_is_checked(overrides, says):
@@ -222,6 +219,11 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
     for m in (got, *later):
         assert m["reshard/broadcast_bytes"] == model_bytes and m["reshard/broadcast_gb_per_s"] > 0
         assert m["timing_s/gen"] > 0 and m["timing_s/wait_rollout"] >= 0 and m["timing_s/reshard"] > 0
+        # the trainer's wait and the rollout's time without generation, as shares of the step
+        assert m["async/idle_ratio_trainer"] == pytest.approx(min(1.0, m["timing_s/wait_rollout"] / m["timing_s/step"]))
+        assert 0.0 <= m["async/idle_ratio_rollout"] < 1.0
+        # tokens per second per device of both pools: 2 training + 2 rollout ranks
+        assert m["perf/throughput"] == pytest.approx(m["perf/total_num_tokens"] / (4 * m["timing_s/step"]))
     # later steps draw new prompts: the batch made ahead is step 2's, not step 1's again
     assert later[0]["data/prompt_hash"] != got["data/prompt_hash"]
 
@@ -244,6 +246,26 @@ def test_fully_async_pushing_every_step_with_one_batch_ahead_is_one_step_off(tmp
     assert fully == off
     assert [m["async/staleness_max"] for m in fully] == [0.0, 1.0, 1.0]
     assert [m["async/weight_pushes"] for m in fully] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_r3_one_step_off_replays_the_routes_chosen_at_generation_time(tmp_path, fresh_ray):
+    """R3 across versions: step 1's batch is routed by the engines under v0, the trainer's v0 agrees
+    (fp32 on both sides: no mismatch, nothing overridden); step 2's batch was routed under v0 too,
+    while the trainer holds v1, so the trainer's own routing disagrees on some slots and the replay
+    overrides them with the generation-time routes."""
+    r3 = ["actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    trainer = _trainer(tmp_path, "r3", [*ONE_STEP_OFF, *r3, "trainer.total_training_steps=2"])
+    try:
+        first, second = (trainer.train_step(step) for step in (1, 2))
+    finally:
+        trainer.close()
+    assert [m["async/staleness_max"] for m in (first, second)] == [0.0, 1.0]
+    assert first["moe/rollout_routing_mismatch/slot_frac"] == 0.0
+    assert first["moe/replay_override/slot_frac"] == 0.0
+    assert second["moe/rollout_routing_mismatch/slot_frac"] > 0.0
+    assert second["moe/replay_override/slot_frac"] > 0.0
 
 
 @pytest.mark.slow

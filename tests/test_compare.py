@@ -81,14 +81,22 @@ def test_other_staleness_is_refused_in_one_line(name, says):
     assert "\n" not in str(info.value)
 
 
-def test_r3_with_async_is_refused_naming_the_variant_before_anything_runs(tmp_path):
+def test_a_variant_the_config_refuses_is_named_before_anything_runs(tmp_path):
+    """DAPO's group filter is fine synchronously, refused one step off policy: the error names the variant."""
     with pytest.raises(ConfigError) as info:
-        run_comparison(str(REPO / "configs/recipe/tiny_grpo.yaml"), ["grpo", "grpo_r3_async1"], [1],
-                       str(tmp_path / "out"), [])
-    assert str(info.value).startswith("variant 'grpo_r3_async1': ")
-    assert "router_replay.mode=R3 with async_training.mode=one_step_off would replay routing chosen by an " \
-           "earlier policy version" in str(info.value)
+        run_comparison(str(REPO / "configs/recipe/tiny_grpo.yaml"), ["grpo", "grpo_async1"], [1],
+                       str(tmp_path / "out"), ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"])
+    assert str(info.value).startswith("variant 'grpo_async1': ")
+    assert "filter_groups (DAPO dynamic sampling) is not implemented with async_training.mode=one_step_off" \
+        in str(info.value)
     assert not (tmp_path / "out").exists()  # not even the first variant's directory
+
+
+def test_r3_across_versions_is_a_variant():
+    """R3 with staleness replays the routes the engine chose at generation time (docs/async.md)."""
+    overrides = variant_overrides("grpo_r3_async2", TINY_POOL)
+    assert "actor_rollout_ref.actor.megatron.router_replay.mode=R3" in overrides
+    assert "async_training.mode=fully_async" in overrides and "async_training.staleness_threshold=2" in overrides
 
 
 def test_runs_share_seeds_and_keep_the_variant_last(tmp_path):

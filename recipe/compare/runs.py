@@ -13,8 +13,8 @@ K batches allowed ahead; on a rollout pool of its own as large as the recipe's t
 ``trainer.nnodes`` x ``n_gpus_per_node``), e.g. ``grpo_r2``, ``gspo_r3``, ``grpo_tis``,
 ``gspo_async1``, ``gspo_async2``. asyncK also turns the token-level IS correction on (the modes'
 default unless the overrides set ``rollout_is``, docs/async.md), so ``gspo_tis`` is its
-synchronous counterpart; r3 with asyncK is refused with the config's reason before anything
-runs. Every variant of one seed runs with that seed as
+synchronous counterpart; r3 with asyncK replays the routes the engine chose at generation time, an
+earlier policy version's (docs/async.md). Every variant of one seed runs with that seed as
 ``trainer.seed`` (sampling) and ``data.seed`` (prompt order), from the recipe's checkpoint, so the
 first step of every variant sees the same prompts and samples the same responses; each run logs
 ``data/prompt_hash`` per step and writes ``provenance.json`` (initial weights) to show it.
@@ -183,7 +183,7 @@ def _start_state(run: Run, cfg) -> str:
 
 
 def _load(config: str, run: Run):
-    """The run's config; an error names the variant (a combination the config refuses, e.g. r3 with async1)."""
+    """The run's config; an error names the variant (a combination the config refuses, e.g. async1 with DAPO's group filter)."""
     from recipe.config import load_config
 
     try:

@@ -44,6 +44,7 @@ class AsyncSchedule:
         self.in_flight: tuple[int, int, PendingRollout] | None = None  # (its step, its version, the generation)
         self.made: dict[int, Rollout] = {}  # collected, not yet taken, by step
         self.waited = 0.0  # seconds the trainer waited for generations since the last metrics()
+        self.generated = 0.0  # seconds the rollout ranks generated the batches collected since then
         self.pushes = 0  # weight pushes since the last metrics()
 
     def batch(self, step: int) -> Rollout:
@@ -90,15 +91,21 @@ class AsyncSchedule:
         clock = time.perf_counter()
         self.made[step] = self.dispatch.collect(pending)
         self.waited += time.perf_counter() - clock
+        self.generated += self.made[step].gen_seconds
         self.made[step].policy_version = version
         self._send_next()
 
-    def metrics(self, step: int, rollout: Rollout) -> dict[str, float]:
+    def metrics(self, step: int, rollout: Rollout, step_seconds: float) -> dict[str, float]:
         """How stale the step's samples were (versions behind the policy that scored them), how long
-        the trainer waited for generations, generation as the rollout ranks timed it, and whether
-        the step pushed its weights."""
+        the trainer waited for generations, generation as the rollout ranks timed it, whether the
+        step pushed its weights, and the share of the step each pool spent idle: the trainer waiting
+        for a batch; the rollout ranks not generating (counted by the batches collected in the step,
+        so a generation that ran across two steps counts in the step that collected it)."""
         waited, self.waited = self.waited, 0.0
+        generated, self.generated = self.generated, 0.0
         pushes, self.pushes = self.pushes, 0
         behind = float(step - 1 - rollout.policy_version)  # one generation batch: every sample alike
         return {"async/staleness_mean": behind, "async/staleness_max": behind, "async/weight_pushes": float(pushes),
-                "timing_s/wait_rollout": waited, "timing_s/gen": rollout.gen_seconds}
+                "timing_s/wait_rollout": waited, "timing_s/gen": rollout.gen_seconds,
+                "async/idle_ratio_trainer": min(1.0, waited / step_seconds),
+                "async/idle_ratio_rollout": max(0.0, 1.0 - generated / step_seconds)}

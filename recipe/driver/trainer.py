@@ -248,10 +248,12 @@ class Trainer:
         metrics.update(mismatch)
         metrics.update(routing_metrics(old, valid, self.spec.num_experts, engine_routing, drift, replayed))
         metrics.update(timer.timings)
+        step_seconds = timer.timings["timing_s/step"]
         if self.ahead is not None:
-            metrics.update(self.ahead.metrics(step, rollout))
+            metrics.update(self.ahead.metrics(step, rollout, step_seconds))
         tokens = int(batch[PROMPT_LENGTHS].sum() + response_lengths.sum())
-        metrics.update(throughput_metrics(tokens, timer.timings["timing_s/step"], self.workers.world_size))
+        devices = self.workers.world_size + (self.rollout_workers.world_size if self.rollout_workers else 0)
+        metrics.update(throughput_metrics(tokens, step_seconds, devices))
         metrics.update(self.dispatch.memory())
         metrics["training/epoch"] = float(self.sampler.epoch)
         # the step's prompts, in order: runs that saw the same prompts log the same number
