@@ -171,7 +171,7 @@ class Task:
 TASKS = {
     task.name: task
     for task in (
-        # v1 was a copy task
+        # tiny_task_v1 was a copy task
         Task("tiny", make_question, _random_answer, warmup_steps=60, probe=True, cache_version="tiny_task_v2"),
         Task("tiny_long", make_long_question, _right_response, warmup_steps=100, probe=False,
              cache_version="tiny_long_v1"),
