@@ -18,9 +18,10 @@ max-of-three (whose skewed answers RL learns before the mapping).
 ``builtin:tiny_long``: the same successor for each of 5 to 8 digits, worked out one digit at a
 time: ``after 3725?`` is answered ``3>4, 7>8, 2>3, 5>6. Answer: 4836``, 38 to 56 tokens. Each
 token is an easy step, the answer is right only if every digit is. The warm-up trains on the right
-responses for 100 steps, too few to learn them: at temperature 1 about half of the answers come
-out right, so RL has a signal from its first step (a warm-up to the format only would leave an
-8-digit answer right once in 10^8; digit chains warmed up that way barely moved in 40 RL steps).
+responses for 100 steps, too few to learn them: at temperature 1, 24 to 67% of the answers come
+out right (5 seeds), so RL has a signal from its first step (a warm-up to the format only would
+leave an 8-digit answer right once in 10^8; digit chains warmed up that way barely moved in 40 RL
+steps).
 Measured with the CI test's loop (``tests/test_tiny_task.py``: the tiny recipe's settings, GRPO at
 lr 1e-3, 30 steps) on the builds of seeds 0-4: the score mean went from -0.18, -0.07, -0.13,
 -0.59, +0.04 over the first 5 steps to +0.29, +0.43, +0.16, -0.03, +0.60 over the last 5 (rises
