@@ -28,7 +28,7 @@ import yaml
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
-from recipe.config import BUILTIN_TINY, deep_merge, parse_overrides, read_yaml
+from recipe.config import builtin_task, deep_merge, parse_overrides, read_yaml
 
 RUNTIME_ENV_DIR = os.path.join(CONFIGS_DIR, "runtime_env")
 RUNTIME_ENV_FOR_DEVICE = {"npu": "mc2.yaml", "cuda": "base.yaml", "cpu": "base.yaml"}
@@ -43,7 +43,7 @@ class MissingError(RuntimeError):
 
 def _absolute(path: str) -> str:
     """Paths go to the job absolute, so they mean the same wherever Ray runs it."""
-    return path if path == BUILTIN_TINY else os.path.abspath(path)
+    return path if builtin_task(path) else os.path.abspath(path)
 
 
 def launcher_overrides(args: argparse.Namespace) -> list[str]:
@@ -141,7 +141,7 @@ def missing_paths(cfg, role: str) -> list[str]:
         wanted += [("data.train_files", p) for p in cfg.data.train_files]
         wanted += [("data.val_files", p) for p in cfg.data.val_files]
     return [f"{key}={path!r} does not exist on this node" for key, path in wanted
-            if path != BUILTIN_TINY and not os.path.exists(path)]
+            if not builtin_task(path) and not os.path.exists(path)]
 
 
 def describe_pools(cfg, head_ip: str, node_ips: str) -> list[str]:

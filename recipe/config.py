@@ -46,8 +46,15 @@ from recipe.rollout import ENGINES, engines_for
 from recipe.verl_compat import check_equal, translate
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_TASKS = ("tiny", "tiny_long")  # builtin:<task>, built by recipe/data/tiny_task.py
 _LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
 _DERIVED = ("layout", "ignored")  # RecipeConfig fields built while loading, not YAML keys
+
+
+def builtin_task(path: str) -> str | None:
+    """The built-in task that ``path`` names (``builtin:tiny`` -> ``tiny``), or None for a real path."""
+    prefix, _, task = path.partition(":")
+    return task if prefix == "builtin" and task in BUILTIN_TASKS else None
 
 
 # ---- schema ----------------------------------------------------------------------------------
@@ -55,7 +62,7 @@ _DERIVED = ("layout", "ignored")  # RecipeConfig fields built while loading, not
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_files: list[str]  # parquet files, or "builtin:tiny"
+    train_files: list[str]  # parquet files, or a built-in task ("builtin:tiny", "builtin:tiny_long")
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     max_prompt_length: int = 512
@@ -71,7 +78,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str  # HF checkpoint dir (weights + tokenizer) or "builtin:tiny"
+    path: str  # HF checkpoint dir (weights + tokenizer) or a built-in task's ("builtin:tiny", ...)
     config: str | None = None  # configs/model name or path for planning; None: path's config.json
     dtype: str = "bfloat16"  # params dtype of actor and rollout
 
@@ -898,8 +905,8 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
         out.append(f"trainer.resume_from_path is read only with trainer.resume_mode=resume_path (as in verl), not "
                    f"{trainer.resume_mode}: add trainer.resume_mode=resume_path, or drop resume_from_path")
     model = cfg.actor_rollout_ref.model
-    if model.path == BUILTIN_TINY and model.config and not os.path.basename(model.config).startswith(TINY):
-        out.append(f"actor_rollout_ref.model.path={BUILTIN_TINY} builds a tiny model: "
+    if builtin_task(model.path) and model.config and not os.path.basename(model.config).startswith(TINY):
+        out.append(f"actor_rollout_ref.model.path={model.path} builds a tiny model: "
                    f"actor_rollout_ref.model.config must name a configs/model/{TINY}*.yaml shape, not {model.config!r}")
     arr = cfg.actor_rollout_ref
     if cfg.layout.cluster.device == "cpu" and cfg.layout.train.pp > 1 and (
@@ -1006,7 +1013,7 @@ def model_spec(cfg: RecipeConfig, name: str) -> ModelSpec:
     model = cfg.actor_rollout_ref.model
     if model.config is not None:
         return load_model_spec(model.config)
-    if model.path == BUILTIN_TINY:
+    if builtin_task(model.path):
         return load_model_spec(TINY)
     if os.path.isdir(model.path):
         return load_model_spec(model.path)

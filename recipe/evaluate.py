@@ -385,7 +385,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a HF model directory, a checkpoint (global_step_N or global_step_N/actor) or a run "
                              "directory (its base model and every checkpoint)")
     parser.add_argument("--data", nargs="+", default=None,
-                        help="verl-format parquet files or builtin:tiny (default: the run's data.val_files)")
+                        help="verl-format parquet files or a built-in task, builtin:tiny or builtin:tiny_long "
+                             "(default: the run's data.val_files)")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature (default: 1.0 with --n > 1, else 0: greedy)")

@@ -337,8 +337,8 @@ def test_every_shipped_recipe_loads_and_round_trips(name, tmp_path):
     assert load_config(str(dump)) == cfg
 
 
-def test_shipped_recipes_are_the_four_twins_and_the_stability_presets():
-    presets = ["tiny_stability", "tiny_stability_offpolicy", "tiny_stability_gap"]
+def test_shipped_recipes_are_the_four_twins_and_the_presets():
+    presets = ["tiny_stability", "tiny_stability_offpolicy", "tiny_stability_gap", "tiny_long"]
     assert sorted(shipped("recipe")) == sorted([n for pair in TWINS for n in pair] + presets)
     assert sorted(shipped("algo")) == ["grpo", "gspo"]
 

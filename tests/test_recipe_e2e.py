@@ -133,6 +133,20 @@ def test_tiny_recipe_raises_the_score(tmp_path, algo):
             assert m["training/rollout_probs_diff_max"] < 5e-5, m
 
 
+@pytest.mark.slow
+def test_the_long_preset_runs_with_worked_out_responses(tmp_path):
+    """configs/recipe/tiny_long.yaml through the trainer for 3 steps: responses of tens of tokens, in
+    the format (its learning: tests/test_tiny_task.py and docs/recipe.md)."""
+    out = run_main(["--config", "configs/recipe/tiny_long.yaml", "trainer.total_training_steps=3",
+                    "trainer.save_freq=-1", f"trainer.default_local_dir={tmp_path}"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    history = metrics(tmp_path)
+    for step in (1, 2, 3):
+        m = history[step]
+        assert 40 < m["response_length/mean"] < 56 and m["response_length/clip_ratio"] < 0.1, m
+        assert m["critic/score/max"] == 1.0 and -0.8 < m["critic/score/mean"] < 0.5, m  # signal from the start
+
+
 # Measured with the shipped seeds through this trainer (docs/recipe.md): GSPO -0.41 -> +0.97, GRPO
 # -0.41 -> +0.96 (first / last 5 steps of 50). The task's plain-PyTorch twin over 5 seeds ended at
 # +0.71..+0.97 after 40 steps, so 0.3 sits far below every measured rise and far above the noise.

@@ -14,11 +14,15 @@ from loss import PolicyLossSettings
 from loss.policy import compute_policy_loss
 from megatron_bridge.plan.model_spec import load_hf_config
 from megatron_bridge.weights.hf_checkpoint import HFCheckpoint
+from recipe.config import BUILTIN_TASKS, builtin_task, load_config
 from recipe.data import tiny_task
 from recipe.driver.advantage import grpo_advantages, token_advantages
 from recipe.reward.math_dapo import compute_score
 from recipe.rollout.base import SamplingParams
 from recipe.rollout.hf_engine import HFEngine
+
+
+TINY_CACHE = tiny_task.TASKS["tiny"].cache_version  # the one-digit task's cache entries start with it
 
 
 def dapo_score(response: str, ground_truth: str) -> float:
@@ -159,8 +163,8 @@ def test_warm_up_is_deterministic_and_leaves_the_global_rng_alone():
 def test_prepare_builtin_builds_once_and_the_engine_loads_it(tmp_path, capsys):
     task = tiny_task.prepare_builtin(tmp_path, seed=0, warmup_steps=2)
     assert "tiny task: built" in capsys.readouterr().out
-    assert os.path.basename(os.path.dirname(task.model_dir)) == f"{tiny_task.CACHE_VERSION}_seed0_warmup2"
-    assert sorted(os.listdir(tmp_path)) == [f"{tiny_task.CACHE_VERSION}_seed0_warmup2"]  # no temp directory left
+    assert os.path.basename(os.path.dirname(task.model_dir)) == f"{TINY_CACHE}_seed0_warmup2"
+    assert sorted(os.listdir(tmp_path)) == [f"{TINY_CACHE}_seed0_warmup2"]  # no temp directory left
     weights = os.path.join(task.model_dir, "model.safetensors")
     built_at = os.stat(weights).st_mtime_ns
 
@@ -181,7 +185,7 @@ def test_prepare_builtin_builds_once_and_the_engine_loads_it(tmp_path, capsys):
 
 def test_prepare_builtin_builds_other_tiny_shapes_apart(tmp_path):
     task = tiny_task.prepare_builtin(tmp_path, seed=0, warmup_steps=1, model="tiny_qwen3_moe_32e")
-    assert task.model_dir.endswith(f"{tiny_task.CACHE_VERSION}_seed0_warmup1_tiny_qwen3_moe_32e/model")
+    assert task.model_dir.endswith(f"{TINY_CACHE}_seed0_warmup1_tiny_qwen3_moe_32e/model")
     with HFCheckpoint(task.model_dir) as checkpoint:
         assert checkpoint.shape("model.layers.0.mlp.experts.31.down_proj.weight") == (64, 8)
         assert checkpoint.shape("model.layers.0.mlp.gate.weight") == (32, 64)
@@ -200,7 +204,7 @@ def test_the_deep_shape_is_deeper_and_routes_like_qwen3_30b():
 
 
 def test_prepare_builtin_refuses_an_incomplete_cache(tmp_path):
-    (tmp_path / f"{tiny_task.CACHE_VERSION}_seed0_warmup1").mkdir()
+    (tmp_path / f"{TINY_CACHE}_seed0_warmup1").mkdir()
     with pytest.raises(tiny_task.TinyTaskError, match="incomplete .* delete it and run again"):
         tiny_task.prepare_builtin(tmp_path, seed=0, warmup_steps=1)
     with pytest.raises(tiny_task.TinyTaskError, match="warmup_steps must be an int >= 1, got 0"):
@@ -240,33 +244,35 @@ def test_warmed_up_model_answers_in_format_at_chance(warmed_up):
     assert sum(scores) / len(scores) < -0.6
 
 
-def test_grpo_lifts_the_score(warmed_up):
-    """A plain on-policy GRPO loop with the tiny recipe's settings, 16 steps, on the warmed-up model.
-    Six sampling seeds rose by 0.75 to 1.3 from the first 4 steps' mean to the last 4's; the deeper
-    model's seed 0 by 0.96 (-0.70 to 0.26)."""
-    task, tokenizer = warmed_up
+def grpo_run(task, tokenizer, *, steps: int, lr: float, max_tokens: int) -> tuple[list[float], list[float]]:
+    """A plain on-policy GRPO loop with the tiny recipe's settings (16 prompts x 8 samples at
+    temperature 1, one Adam step per RL step) on a built task; each step's score mean and mean
+    response length (tokens, EOS included)."""
     rows = pq.read_table(task.train_file).to_pylist()
     engine = HFEngine(task.model_dir, load_from_checkpoint=True)
     model = engine.model.requires_grad_(True)  # sample from and train the same weights: on-policy
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     rng, samples = random.Random(0), 8
-    means = []
-    for step in range(16):
+    means, lengths = [], []
+    for step in range(steps):
         batch = rng.sample(rows, 16)
         prompts = [p for p in prompt_ids(tokenizer, batch) for _ in range(samples)]
-        responses = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=12, seed=step)).token_ids
+        sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=step)
+        responses = engine.generate(prompts, sampling).token_ids
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         truths = [row["reward_model"]["ground_truth"] for row in batch for _ in range(samples)]
         scores = torch.tensor([dapo_score(t, g) for t, g in zip(texts, truths)])
         means.append(scores.mean().item())
+        lengths.append(sum(map(len, responses)) / len(responses))
         advantages = grpo_advantages(scores, torch.arange(len(batch)).repeat_interleave(samples))
 
-        width = max(map(len, responses))
-        ids = torch.tensor([p + r + [0] * (width - len(r)) for p, r in zip(prompts, responses)])
-        mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
-        start = len(prompts[0])  # every prompt has the same length
-        logits = model(input_ids=ids).logits[:, start - 1 : -1].float()
-        log_prob = logits.log_softmax(-1).gather(-1, ids[:, start:, None])[..., 0]
+        # prompt + response, right-padded; the mask marks the response tokens, as targets of the previous position
+        width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        ids = torch.tensor([p + r + [0] * (width - len(p) - len(r)) for p, r in zip(prompts, responses)])
+        mask = torch.tensor([[0.0] * len(p) + [1.0] * len(r) + [0.0] * (width - len(p) - len(r))
+                             for p, r in zip(prompts, responses)])[:, 1:]
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        log_prob = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
         loss, _ = compute_policy_loss(
             "vanilla", log_prob.detach(), log_prob, token_advantages(advantages, mask), mask,
             PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.28),
@@ -275,5 +281,96 @@ def test_grpo_lifts_the_score(warmed_up):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+    return means, lengths
+
+
+def test_grpo_lifts_the_score(warmed_up):
+    """16 RL steps at lr 2e-3 on the warmed-up model. Six sampling seeds rose by 0.75 to 1.3 from the
+    first 4 steps' mean to the last 4's; the deeper model's seed 0 by 0.96 (-0.70 to 0.26)."""
+    task, tokenizer = warmed_up
+    means, _ = grpo_run(task, tokenizer, steps=16, lr=2e-3, max_tokens=12)
     first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
     assert first < -0.3 and last > first + 0.5, means
+
+
+# -- the long task -------------------------------------------------------------------------------
+
+
+def test_builtin_names_are_the_tasks():
+    assert set(tiny_task.TASKS) == set(BUILTIN_TASKS)
+    assert builtin_task("builtin:tiny_long") == "tiny_long" and builtin_task("builtin:tiny") == "tiny"
+    assert builtin_task("builtin:other") is None and builtin_task("data/builtin:tiny") is None
+    with pytest.raises(tiny_task.TinyTaskError, match="no built-in task 'other'; there are tiny, tiny_long"):
+        tiny_task.task_rows(1, seed=0, split="train", task="other")
+
+
+def test_long_task_rows_are_worked_out_digit_by_digit():
+    tokenizer = tiny_task.build_tokenizer()
+    rows = tiny_task.task_rows(200, seed=3, split="train", task="tiny_long")
+    rng = random.Random(f"{tiny_task.TASKS['tiny_long'].cache_version}/train/3")  # as task_rows draws them
+    lengths = set()
+    for row in rows:
+        [message] = row["prompt"]
+        digits = re.fullmatch(r"after (\d{5,8})\?", message["content"])[1]
+        assert set(digits) <= set("012345678")
+        assert row["reward_model"]["ground_truth"] == "".join(str(int(d) + 1) for d in digits)
+        question = tiny_task.make_long_question(rng)
+        assert question.prompt == message["content"]
+        lengths.add(len(tokenizer.encode(question.response, add_special_tokens=False)))
+        assert dapo_score(question.response, question.answer) == 1.0
+    assert min(lengths) == 38 and max(lengths) == 56  # tens of tokens, one per character
+    assert tiny_task.make_long_question(random.Random(1)) == tiny_task.Question(
+        "after 141777?", answer="252888", response="1>2, 4>5, 1>2, 7>8, 7>8, 7>8. Answer: 252888"
+    )
+
+
+@pytest.fixture(scope="module")
+def warmed_up_long(tmp_path_factory):
+    task = tiny_task.prepare_builtin(tmp_path_factory.mktemp("cache"), seed=0, task="tiny_long")
+    return task, AutoTokenizer.from_pretrained(task.model_dir)
+
+
+def test_grpo_lifts_the_long_task(warmed_up_long):
+    """30 RL steps at lr 1e-3 on the long task. The builds of seeds 0-4 rose by 0.29 to 0.56 from the
+    first 5 steps' mean to the last 5's (seed 0: 0.47, from -0.18 to 0.29; 0.45 with
+    ATEN_CPU_CAPABILITY=default); with lr 0, on the same prompts, seeds 0-2 moved by -0.22, -0.04
+    and +0.02."""
+    task, tokenizer = warmed_up_long
+    means, lengths = grpo_run(task, tokenizer, steps=30, lr=1e-3, max_tokens=64)
+    first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
+    assert last > first + 0.2, means
+    assert min(lengths) > 35, lengths  # responses stay worked out, tens of tokens
+
+
+def test_the_long_preset_runs_the_long_task(warmed_up_long, monkeypatch):
+    task, _ = warmed_up_long
+    monkeypatch.setenv("MOE_RL_CACHE", os.path.dirname(os.path.dirname(task.model_dir)))  # the fixture's build
+    cfg = load_config("tiny_long")
+    assert tiny_task.resolve_builtin(cfg) == (task.model_dir, [task.train_file], [task.val_file])
+    # data alone from the built-in task, the model from elsewhere
+    cfg = load_config("tiny_long", ["actor_rollout_ref.model.path=some/checkpoint"])
+    assert tiny_task.resolve_builtin(cfg)[0] == "some/checkpoint"
+
+
+def long_answers(task, tokenizer, temperature: float) -> tuple[float, float]:
+    """The shares of worked-out responses in the format and of right answers, over the validation
+    prompts twice."""
+    rows = pq.read_table(task.val_file).to_pylist() * 2
+    engine = HFEngine(task.model_dir, load_from_checkpoint=True)
+    sampling = SamplingParams(temperature=temperature, max_tokens=64, seed=0)
+    responses = engine.generate(prompt_ids(tokenizer, rows), sampling).token_ids
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    in_format = sum(bool(re.fullmatch(r"(\d>\d, )*\d>\d\. Answer: \d+", text)) for text in texts) / len(texts)
+    correct = sum(dapo_score(t, r["reward_model"]["ground_truth"]) > 0 for t, r in zip(texts, rows)) / len(texts)
+    return in_format, correct
+
+
+def test_long_warm_up_leaves_the_procedure_half_learned(warmed_up_long):
+    """Right often enough for RL to have a signal, far from always. The builds of seeds 0-4: greedy
+    in format 0.98 to 1.0 and right 0.64 to 0.97; sampled at temperature 1 (as RL starts) in format
+    0.63 to 0.75 and right 0.24 to 0.67 (seed 0: 0.45; 0.46 with ATEN_CPU_CAPABILITY=default)."""
+    task, tokenizer = warmed_up_long
+    in_format, correct = long_answers(task, tokenizer, temperature=0.0)
+    assert in_format >= 0.9 and correct >= 0.5
+    in_format, correct = long_answers(task, tokenizer, temperature=1.0)
+    assert in_format >= 0.5 and 0.25 <= correct <= 0.7
