@@ -291,6 +291,9 @@ class AsyncTrainingConfig:
     # how long a rank of the weight group (training rank 0 and the rollout pool) waits for the others
     # when joining it and in each bucket's broadcast before the sync fails (recipe.rollout.broadcast)
     weight_sync_timeout_s: float = 600.0
+    # how long the trainer waits for a batch from the rollout pool (a rank that hangs, a pool that
+    # starves) before the run fails with one line; generous: one batch of long responses takes minutes
+    wait_rollout_timeout_s: float = 3600.0
     # fully_async only, verl's keys and defaults: generation beyond one sync interval allowed ahead, as a
     # fraction of the batches trained between pushes; the weights go to the rollout every this many steps
     staleness_threshold: float = 0.1
@@ -489,6 +492,7 @@ RULES: dict[str, Rule] = {
     f"{_ACTOR}.checkpoint.save_contents": save_contents_rule,
     "async_training.mode": one_of(ASYNC_MODES),
     "async_training.weight_sync_timeout_s": greater_than(0),
+    "async_training.wait_rollout_timeout_s": greater_than(0),
     "async_training.staleness_threshold": at_least(0),
     "async_training.trigger_parameter_sync_step": POSITIVE,
 }

@@ -38,13 +38,13 @@ def run_reporting(body: Callable[[], object], usage_errors: tuple[type[Exception
     from recipe.tracking.loggers import LoggerError
     from recipe.reward import RewardError
     from recipe.rollout.broadcast import WeightSyncError
-    from recipe.workers.group import ClusterError, WorkerDiedError
+    from recipe.workers.group import ClusterError, WorkerDiedError, WorkerTimeoutError
 
     usage = (ConfigError, *usage_errors)
     try:
         body()
-    except (*usage, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, WeightSyncError,
-            OSError) as e:
+    except (*usage, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, WorkerTimeoutError,
+            WeightSyncError, OSError) as e:
         notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
         print(f"error: {e}{notes}", file=sys.stderr)
         return 2 if isinstance(e, usage) else 1

@@ -106,7 +106,7 @@ class _Pool:
     def done(self, pending):
         return next(self.finished)
 
-    def collect(self, pending):
+    def collect(self, pending, timeout_s):
         return Rollout([], torch.zeros(0), [], [], [])
 
 
@@ -114,7 +114,8 @@ def _staleness(sync_every, max_staleness, steps, validated, finished, resumed=0)
     """Run the schedule as the trainer does, from step ``resumed`` on; the staleness of each step's
     batch and the pool's sends."""
     pool = _Pool(finished)
-    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=resumed)
+    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=resumed,
+                                             wait_timeout_s=60)
     behind = []
     for step in range(resumed + 1, steps + 1):
         behind.append(step - 1 - schedule.batch(step).policy_version)
@@ -380,6 +381,22 @@ def test_a_rollout_rank_that_dies_in_generation_is_named_and_the_run_resumes(tmp
     assert sorted(logged) == [1, 2, 3]
     # the resumed run makes its first batch afresh (step 2: current weights), then runs a step ahead
     assert [logged[step]["async/staleness_max"] for step in (1, 2, 3)] == [0.0, 0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_that_hangs_in_generation_fails_the_wait_for_its_batch(tmp_path, fresh_ray):
+    """Rollout rank 1 never answers step 3's generation (sent off during step 2): the wait for that
+    batch ends after async_training.wait_rollout_timeout_s with one line naming the rank, exit 1, and
+    the last checkpoint stays the one to resume from."""
+    run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1", "async_training.wait_rollout_timeout_s=5"]
+    status, message, node = _failed_run(tmp_path, "hangs", run, lambda trainer: _plant(
+        trainer.rollout_workers.workers[1], "rollout.generate", 3, "stall"))
+    assert status == 1
+    assert message[0] == (f"error: no batch from the rollout pool within async_training.wait_rollout_timeout_s=5 s: "
+                          f"rollout worker rank 1 on node {node} did not answer generation within 5 s (hung, or "
+                          "generating slower than that: then raise it)"), message
+    checkpoint = tmp_path / "hangs" / "checkpoints" / "global_step_1"
+    assert message[1:] == [f"  (in step 2; last completed step: 1; a re-run resumes from {checkpoint} (step 1))"]
 
 
 ONE_ROLLOUT_RANK = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",

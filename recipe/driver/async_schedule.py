@@ -30,14 +30,19 @@ import time
 from typing import Callable
 
 from recipe.driver.dispatch import Dispatch, PendingRollout, Rollout
+from recipe.workers.group import WorkerTimeoutError
+
+WAIT_KEY = "async_training.wait_rollout_timeout_s"
 
 
 class AsyncSchedule:
     def __init__(self, dispatch: Dispatch, start: Callable[[int], PendingRollout], total_steps: int,
-                 sync_every: int, max_staleness: int, step: int):
+                 sync_every: int, max_staleness: int, step: int, wait_timeout_s: float):
         """``start(s)`` sends step s's prompts (with its seeds) to the rollout pool; ``step`` is the
-        last completed step, whose weights the engines hold (a fresh run's 0, a resumed run's)."""
+        last completed step, whose weights the engines hold (a fresh run's 0, a resumed run's); a
+        batch not made within ``wait_timeout_s`` of the wait for it fails the run."""
         self.dispatch, self.start, self.total_steps = dispatch, start, total_steps
+        self.wait_timeout_s = wait_timeout_s
         self.sync_every, self.max_staleness = sync_every, max_staleness
         self.pushed = step  # the policy version the engines hold
         self.next_step = step + 1  # whose batch is sent next
@@ -89,7 +94,11 @@ class AsyncSchedule:
         """Wait for the generation in flight, then send the next one."""
         (step, version, pending), self.in_flight = self.in_flight, None
         clock = time.perf_counter()
-        self.made[step] = self.dispatch.collect(pending)
+        try:
+            self.made[step] = self.dispatch.collect(pending, self.wait_timeout_s)
+        except WorkerTimeoutError as e:
+            raise WorkerTimeoutError(f"no batch from the rollout pool within {WAIT_KEY}={self.wait_timeout_s:g} s: {e} "
+                                     "(hung, or generating slower than that: then raise it)") from None
         self.waited += time.perf_counter() - clock
         self.generated += self.made[step].gen_seconds
         self.made[step].policy_version = version

@@ -82,10 +82,10 @@ class Dispatch:
         ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
         return len(ready) == len(pending.refs)
 
-    def collect(self, pending: PendingRollout) -> Rollout:
+    def collect(self, pending: PendingRollout, timeout_s: float | None = None) -> Rollout:
         """The generation's samples, once every rollout rank has answered (the first rank of each
-        rollout TP group answers for it)."""
-        outputs = self.generators.get(pending.refs, "generation")
+        rollout TP group answers for it); ``WorkerTimeoutError`` past ``timeout_s``."""
+        outputs = self.generators.get(pending.refs, "generation", timeout_s)
         response_ids, log_probs, finish, routed, seconds = [], [], [], [], 0.0
         for rank, (out, took) in enumerate(outputs):
             seconds = max(seconds, took)

@@ -43,6 +43,10 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended (crash, OOM kill, node loss); the run cannot go on without it."""
 
 
+class WorkerTimeoutError(RuntimeError):
+    """Workers did not answer a call within its time limit (hung, or slower than the limit)."""
+
+
 @dataclass(frozen=True)
 class Pool:
     """Ranks of one kind: the Ray actor class of a rank (built with ``(rank, size, threads)``), its
@@ -186,9 +190,12 @@ class WorkerGroup:
         args = args or [()] * self.world_size
         return [getattr(w, method).remote(*a) for w, a in zip(self.workers, args)]
 
-    def get(self, refs: list, phase: str) -> list[Any]:
+    def get(self, refs: list, phase: str, timeout_s: float | None = None) -> list[Any]:
         try:
-            return ray.get(refs)
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            late = [self._describe(r) for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]]
+            raise WorkerTimeoutError(f"{', '.join(late) or 'a worker'} did not answer {phase} within {timeout_s:g} s") from None
         except ray.exceptions.RayActorError as e:
             raise WorkerDiedError(f"{self._who(refs, ray.exceptions.RayActorError)} died during {phase}: "
                                   f"{e.__class__.__name__}") from e
