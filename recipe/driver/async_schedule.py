@@ -139,9 +139,10 @@ class AsyncSchedule:
         self._send_next()
 
     def metrics(self, step: int, rollout: Rollout, step_seconds: float) -> dict[str, float]:
-        """How stale the step's samples were (versions behind the policy that scored them), how long
-        the trainer waited for generations, generation as the rollout ranks timed it, whether the
-        step pushed its weights, and the share of the step each pool spent idle: the trainer waiting
+        """How stale the step's response tokens were (versions behind the policy that scored them:
+        mean and max over the tokens), how many responses a push paused and the rollout continued,
+        how long the trainer waited for generations, generation as the rollout ranks timed it, whether
+        the step pushed its weights, and the share of the step each pool spent idle: the trainer waiting
         for a batch; the rollout ranks not generating (counted by the batches collected in the step,
         so a generation that ran across two steps counts in the step that collected it)."""
         waited, self.waited = self.waited, 0.0
