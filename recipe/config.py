@@ -284,8 +284,9 @@ class AsyncTrainingConfig:
     same devices. ``one_step_off``: the next step's batch is generated on the rollout's own devices,
     with weights one update old, while this step trains (verl's one-step-off-policy recipe).
     ``fully_async``: batches are generated ahead, the weights pushed every ``trigger_parameter_sync_step``
-    steps, samples at most ``max_staleness`` versions old (verl's fully-async-policy recipe, without
-    partial rollouts). The schedule: ``recipe.driver.async_schedule``."""
+    steps, samples at most ``max_staleness`` versions old (verl's fully-async-policy recipe), with
+    ``partial_rollout`` a batch interrupted by a push and continued under the new weights. The
+    schedule: ``recipe.driver.async_schedule``."""
 
     mode: str = "sync"
     # how long a rank of the weight group (training rank 0 and the rollout pool) waits for the others
@@ -299,7 +300,8 @@ class AsyncTrainingConfig:
     staleness_threshold: float = 0.1
     trigger_parameter_sync_step: int = 4
     require_batches: int = 1  # generation batches per step: 1 only here
-    partial_rollout: bool = False  # generation interrupted by a push and resumed under new weights: not here
+    # a push pauses the batch in flight, which goes on under the new weights (false: the push waits for it)
+    partial_rollout: bool = False
 
     @property
     def sync_every(self) -> int:
@@ -993,10 +995,6 @@ def _fully_async_problems(cfg: RecipeConfig) -> list[str]:
         out.append(f"async_training.require_batches={a.require_batches}: several generation batches per step are "
                    "not implemented yet (each step trains on one, data.train_batch_size prompts); set 1 and raise "
                    "data.train_batch_size instead")
-    if a.partial_rollout:
-        out.append("async_training.partial_rollout=true (a generation interrupted by a weight push and resumed "
-                   "under the new weights) is not implemented yet; set false: a push then waits for the generation "
-                   "in flight")
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
 from recipe.driver.async_schedule import AsyncSchedule
-from recipe.driver.dispatch import Rollout
+from recipe.driver.dispatch import PendingRollout, Rollout
 from recipe.tracking.loggers import read_jsonl
 from tests.test_recipe_e2e import TINY, VOLATILE, _trainer
 
@@ -50,8 +50,8 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
                                                                      "one_step_off"),
     ([*FULLY_ASYNC, "async_training.require_batches=2"], "require_batches=2: several generation batches per step "
                                                         "are not implemented yet"),
-    ([*FULLY_ASYNC, "async_training.partial_rollout=true"], "partial_rollout=true .* is not implemented yet; set "
-                                                           "false"),
+    ([*ONE_STEP_OFF, "async_training.partial_rollout=true"], "async_training.partial_rollout=True applies with "
+                                                            "async_training.mode=fully_async only, not one_step_off"),
     ([*FULLY_ASYNC, "async_training.staleness_threshold=-0.1"], "staleness_threshold=-0.1: must be >= 0"),
     ([*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=0"], "trigger_parameter_sync_step=0: must be >= 1"),
     ([*FULLY_ASYNC, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
@@ -71,6 +71,8 @@ def test_asynchronous_modes_config():
     assert (cfg.async_training.sync_every, cfg.async_training.max_staleness) == (1, 1)  # push every step, 1 behind
     fully = load_config(TINY["gspo"], FULLY_ASYNC)
     assert fully.algorithm.rollout_correction.rollout_is == "token" and fully.layout.rollout_world_size == 2
+    assert not fully.async_training.partial_rollout  # ours; verl's default is true
+    assert load_config(TINY["gspo"], [*FULLY_ASYNC, "async_training.partial_rollout=true"]).async_training.partial_rollout
     off = load_config(TINY["gspo"], [*ONE_STEP_OFF, "algorithm.rollout_correction.rollout_is=null"])
     assert off.algorithm.rollout_correction.rollout_is is None  # ... unless the recipe says otherwise
     sync = load_config(TINY["gspo"], ["actor_rollout_ref.rollout.n_gpus_per_node=2"])  # verl's colocated mirror
@@ -92,38 +94,56 @@ def test_fully_async_bounds_staleness_by_the_sync_interval_and_the_threshold(ove
 # --- the schedule alone, with a rollout pool that answers at once or later ----------------------
 
 
+def _response(tokens: int, reason: str) -> Rollout:
+    return Rollout([None], torch.zeros(1), [[0] * tokens], [[0.0] * tokens], [reason])
+
+
 class _Pool:
     """Dispatch's generation calls: a generation is done when ``finished`` says so at the first poll
-    that asks (collect always gets it); records each send's step and the version the engines held."""
+    that asks (collect always gets it); records each send's step and the version the engines held.
+    Each generation is one response, a token longer at each pause and at its end."""
 
     def __init__(self, finished):
         self.finished, self.sent, self.schedule = finished, [], None
 
     def start(self, step):
         self.sent.append((step, self.schedule.pushed))
-        return step
+        return PendingRollout([None], 1, refs=[0])  # refs[0]: its tokens so far
 
     def done(self, pending):
         return next(self.finished)
 
+    def pause(self, pending, timeout_s):
+        pending.refs[0] += 1
+        return _response(pending.refs[0], "paused"), pending
+
+    def resume(self, pending):
+        return pending
+
     def collect(self, pending, timeout_s):
-        return Rollout([], torch.zeros(0), [], [], [])
+        return _response(pending.refs[0] + 1, "stop")
 
 
-def _staleness(sync_every, max_staleness, steps, validated, finished, resumed=0):
-    """Run the schedule as the trainer does, from step ``resumed`` on; the staleness of each step's
-    batch and the pool's sends."""
+def _schedule(sync_every, max_staleness, steps, validated, finished, resumed=0, partial_rollout=False):
+    """Run the schedule as the trainer does, from step ``resumed`` on; each step's metrics and the
+    pool's sends."""
     pool = _Pool(finished)
     schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=resumed,
-                                             wait_timeout_s=60)
-    behind = []
+                                             wait_timeout_s=60, partial_rollout=partial_rollout)
+    metrics = []
     for step in range(resumed + 1, steps + 1):
-        behind.append(step - 1 - schedule.batch(step).policy_version)
+        metrics.append(schedule.metrics(step, schedule.batch(step), step_seconds=1.0))
         if schedule.push_due(step) or step in validated:
             schedule.push(step, dict)
         else:
             schedule.poll()
-    return behind, pool.sent
+    return metrics, pool.sent
+
+
+def _staleness(*args, **kwargs):
+    """The staleness of each step's batch (one version per batch without partial rollout), and the sends."""
+    metrics, sent = _schedule(*args, **kwargs)
+    return [m["async/staleness_max"] for m in metrics], sent
 
 
 @pytest.mark.parametrize("sync_every, max_staleness, validated", [
@@ -163,6 +183,68 @@ def test_a_resumed_schedule_starts_from_the_resumed_weights():
     behind, sent = _staleness(2, 2, 8, (), ready, resumed=3)
     assert behind == [0, 1, 2, 2, 1]
     assert sent == [(4, 3), (5, 3), (6, 3), (7, 4), (8, 6)]
+
+
+@pytest.mark.parametrize("sync_every, max_staleness, validated", [(1, 1, ()), (2, 2, (3,)), (3, 5, (4,))])
+def test_partial_rollout_keeps_every_token_within_the_bound(sync_every, max_staleness, validated):
+    """A push pauses the batch in flight, which goes on under the new weights: its tokens span two
+    versions, none more than K behind; batches are still sent once each, in step order. (With K >= T
+    a batch is in flight at a push; with K = T - 1 none is, partial rollout or not.)"""
+    steps = 12
+    for finished in (itertools.repeat(True), itertools.repeat(False)):
+        metrics, sent = _schedule(sync_every, max_staleness, steps, validated, finished, partial_rollout=True)
+        assert [step for step, _ in sent] == list(range(1, steps + 1))
+        assert all(m["async/staleness_max"] <= max_staleness for m in metrics)
+        spanning = [m for m in metrics if m["async/partial_rollout_resumes"]]
+        assert spanning and all(m["async/staleness_mean"] < m["async/staleness_max"] for m in spanning)
+    no_partial, _ = _schedule(sync_every, max_staleness, steps, validated, itertools.repeat(False))
+    assert not any(m["async/partial_rollout_resumes"] for m in no_partial)
+
+
+# --- partial rollout in the engine -----------------------------------------------------------------
+
+
+def test_a_paused_and_continued_generation_is_the_uninterrupted_one(tmp_path):
+    """Paused after 6 tokens (one response already stopped) and continued with the same weights: the
+    same tokens, drawn from the same per-request samplers, and the same routes; the log-probs before
+    the pause bit-equal, those after it up to the rounding of the continuation's prefill of the
+    prompt and tokens so far (one pass instead of one per token)."""
+    from megatron_bridge.tiny_model import save_tiny_checkpoint
+    from recipe.rollout.base import SamplingParams
+    from recipe.rollout.hf_engine import HFEngine
+    from recipe.rollout.partial import resume
+    from tests.numerics import log_prob_tolerance
+    from tests.test_rollout_hf import PROMPTS, TINY as TINY_SPEC
+
+    engine = HFEngine(save_tiny_checkpoint(tmp_path, 0), load_from_checkpoint=True, return_routed_experts=True)
+    ids, tokens_before = [4, 5, 6], 6
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=3)
+    stop = engine.generate(PROMPTS, params, request_ids=ids).token_ids[2][2]  # ends the last response early
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=3, stop_token_ids=(stop,))
+    whole = engine.generate(PROMPTS, params, request_ids=ids)
+    assert whole.finish_reasons == ["length", "length", "stop"] and len(whole.token_ids[2]) < tokens_before
+
+    calls = itertools.count(1)
+
+    def pause_in_the_last_forward(*_):  # the forward that gives token ``tokens_before``
+        if next(calls) == tokens_before:
+            engine.pause()
+
+    hook = engine.model.register_forward_pre_hook(pause_in_the_last_forward)
+    paused = engine.generate(PROMPTS, params, request_ids=ids)
+    hook.remove()
+    assert paused.finish_reasons == ["paused", "paused", "stop"]
+    assert [len(t) for t in paused.token_ids[:2]] == [tokens_before] * 2
+
+    continued = resume(engine, PROMPTS, params, paused)
+    assert continued.token_ids == whole.token_ids and continued.finish_reasons == whole.finish_reasons
+    assert all(torch.equal(a, b) for a, b in zip(continued.routed_experts, whole.routed_experts))
+    assert continued.log_probs[2] == whole.log_probs[2]
+    for got, expected, prompt in zip(continued.log_probs[:2], whole.log_probs, PROMPTS):
+        assert got[:tokens_before] == expected[:tokens_before]
+        expected = torch.tensor(expected[tokens_before:])
+        torch.testing.assert_close(torch.tensor(got[tokens_before:]), expected, rtol=0,
+                                   atol=log_prob_tolerance(TINY_SPEC, expected, len(prompt) + len(got)))
 
 
 # --- end to end --------------------------------------------------------------------------------
@@ -222,11 +304,11 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
         assert m["timing_s/gen"] > 0 and m["timing_s/wait_rollout"] >= 0 and m["timing_s/reshard"] > 0
         # the trainer's wait and the rollout's time without generation, as shares of the step
         assert m["async/idle_ratio_trainer"] == pytest.approx(min(1.0, m["timing_s/wait_rollout"] / m["timing_s/step"]))
+        assert 0.0 <= m["async/idle_ratio_rollout"] <= 1.0
         # tokens per second per device of both pools: 2 training + 2 rollout ranks
         assert m["perf/throughput"] == pytest.approx(m["perf/total_num_tokens"] / (4 * m["timing_s/step"]))
-    # the rollout generated in steps 1 and 2 (batches 1 and 2, then 3); in the last step nothing is left to make
-    assert [m["async/idle_ratio_rollout"] for m in later][-1] == 1.0
-    assert all(0.0 <= m["async/idle_ratio_rollout"] < 1.0 for m in (got, later[0]))
+    # steps 1 and 2 collect a batch (the next step's) at their push; step 3, the run's last, has none left
+    assert [m["async/idle_ratio_rollout"] < 1.0 for m in (got, *later)] == [True, True, False]
     # later steps draw new prompts: the batch made ahead is step 2's, not step 1's again
     assert later[0]["data/prompt_hash"] != got["data/prompt_hash"]
 
@@ -244,7 +326,7 @@ def test_fully_async_pushing_every_step_with_one_batch_ahead_is_one_step_off(tmp
             runs[name] = [trainer.train_step(step) for step in (1, 2, 3)]
         finally:
             trainer.close()
-    timed = ("timing_s/", "perf/", "reshard/export_s", "reshard/broadcast_gb_per_s")
+    timed = ("timing_s/", "perf/", "reshard/export_s", "reshard/broadcast_gb_per_s", "async/idle_ratio_")
     off, fully = ([{k: v for k, v in m.items() if not k.startswith(timed)} for m in run] for run in runs.values())
     assert fully == off
     assert [m["async/staleness_max"] for m in fully] == [0.0, 1.0, 1.0]
@@ -299,14 +381,38 @@ def test_fully_async_holds_generation_back_to_the_staleness_bound(tmp_path, fres
     assert logged[0]["timing_s/wait_rollout"] >= 1.0  # batch 1, slowed, waited for in full
 
 
+@pytest.mark.slow
+def test_fully_async_partial_rollout_continues_the_batch_in_flight_under_the_pushed_weights(tmp_path, fresh_ray):
+    """T = 1, K = 1 with partial_rollout and R3: rollout rank 0's decoding slowed (0.3 s a token), so
+    each push lands while it generates the next batch. The push pauses it, the weights go out and
+    the paused responses go on under them: steps 2 and 3 train on batches whose tokens come from two
+    versions (0 and 1 behind: a mean strictly between), no token more than K behind, and the routes
+    recorded across the swap replay (the run completes)."""
+    run = [*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1",
+           "async_training.partial_rollout=true", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "trainer.total_training_steps=3"]
+    trainer = _trainer(tmp_path, "partial", run)
+    try:
+        _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.3)
+        metrics = [trainer.train_step(step) for step in (1, 2, 3)]
+    finally:
+        trainer.close()
+    assert [m["async/weight_pushes"] for m in metrics] == [1.0, 1.0, 1.0]
+    assert metrics[0]["async/staleness_max"] == 0.0 and metrics[0]["async/partial_rollout_resumes"] == 0.0
+    for m in metrics[1:]:
+        assert m["async/partial_rollout_resumes"] > 0
+        assert m["async/staleness_max"] == 1.0 and 0.0 < m["async/staleness_mean"] < 1.0
+        assert m["moe/replay_override/slot_frac"] > 0.0  # the replayed routes include those made under v0
+
+
 # --- faults: each one line naming what failed, no hang, the checkpoint resumable ---------------------
 
 
-def _plant(actor, attribute: str, call: int, fault: str) -> None:
+def _plant(actor, attribute: str, call: int, fault: str, seconds: float = 1.0) -> None:
     """Plant a fault in a worker's process, as a crash or a hang would strike it there: ``attribute``
     (a dotted path from the Ray actor's instance to a method) works as before until its ``call``-th
     call from now, which ends the process (``fault="exit"``), never returns (``"stall"``) or, with
-    every later call, takes a second longer (``"slow"``)."""
+    every later call, takes ``seconds`` longer (``"slow"``)."""
     import ray
 
     def plant(instance):
@@ -324,7 +430,7 @@ def _plant(actor, attribute: str, call: int, fault: str) -> None:
             if count == call and fault == "exit":
                 os._exit(1)
             if count >= call and fault != "exit":
-                time.sleep(1 if fault == "slow" else 3600)
+                time.sleep(seconds if fault == "slow" else 3600)
             return original(*args, **kwargs)
 
         setattr(owner, name, planted)

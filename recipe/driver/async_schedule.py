@@ -11,6 +11,11 @@ push the driver generates every batch the outgoing version may still make (waiti
 a batch is never made by two versions and batch b always comes from the first pushed version p
 with b <= p + K + 1, however fast generation runs.
 
+With partial rollout (``async_training.partial_rollout``) a push instead pauses the batch in flight
+(``recipe.rollout.partial``), loads the weights and lets the batch go on under them: its tokens
+carry the version that made each, and none is more than K behind (those made before the push were
+within the bound when the batch was sent, those after it are fresher).
+
 ``one_step_off`` is T = 1, K = 1 (verl's one-step-off-policy recipe)::
 
     step 1:  generate batch 1 (v0) and wait for it   | send batch 2 off (v0)  | train on 1 -> v1 | wait for 2, push v1
@@ -27,26 +32,48 @@ modes).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from recipe.driver.dispatch import Dispatch, PendingRollout, Rollout
+from recipe.rollout.partial import PAUSED
 from recipe.workers.group import WorkerTimeoutError
 
 WAIT_KEY = "async_training.wait_rollout_timeout_s"
 
 
+@dataclass
+class _Generating:
+    """The batch in flight: its step, its generation, and what the pushes that paused it recorded."""
+
+    step: int
+    pending: PendingRollout
+    token_versions: list[list[int]]  # per row, the versions of the tokens made before the last pause
+    resumed: set[int] = field(default_factory=set)  # rows a pause stopped and the rollout continued
+    seconds: float = 0.0  # the rollout ranks' generation before the last pause
+
+    def record(self, so_far: Rollout, version: int) -> None:
+        """The responses ``so_far`` (at a pause or the end): their new tokens were made by ``version``."""
+        for versions, tokens in zip(self.token_versions, so_far.response_ids):
+            versions += [version] * (len(tokens) - len(versions))
+        self.resumed.update(row for row, reason in enumerate(so_far.finish_reasons) if reason == PAUSED)
+        self.seconds += so_far.gen_seconds
+
+
 class AsyncSchedule:
     def __init__(self, dispatch: Dispatch, start: Callable[[int], PendingRollout], total_steps: int,
-                 sync_every: int, max_staleness: int, step: int, wait_timeout_s: float):
+                 sync_every: int, max_staleness: int, step: int, wait_timeout_s: float,
+                 partial_rollout: bool = False):
         """``start(s)`` sends step s's prompts (with its seeds) to the rollout pool; ``step`` is the
         last completed step, whose weights the engines hold (a fresh run's 0, a resumed run's); a
-        batch not made within ``wait_timeout_s`` of the wait for it fails the run."""
+        batch not made within ``wait_timeout_s`` of the wait for it fails the run.
+        ``partial_rollout``: a push pauses the batch in flight and it goes on under the new weights."""
         self.dispatch, self.start, self.total_steps = dispatch, start, total_steps
         self.wait_timeout_s = wait_timeout_s
-        self.sync_every, self.max_staleness = sync_every, max_staleness
+        self.sync_every, self.max_staleness, self.partial_rollout = sync_every, max_staleness, partial_rollout
         self.pushed = step  # the policy version the engines hold
         self.next_step = step + 1  # whose batch is sent next
-        self.in_flight: tuple[int, int, PendingRollout] | None = None  # (its step, its version, the generation)
+        self.in_flight: _Generating | None = None
         self.made: dict[int, Rollout] = {}  # collected, not yet taken, by step
         self.waited = 0.0  # seconds the trainer waited for generations since the last metrics()
         self.generated = 0.0  # seconds the rollout ranks generated the batches collected since then
@@ -63,7 +90,7 @@ class AsyncSchedule:
     def poll(self) -> None:
         """Collect the generation in flight if it is done, and send the next one: the rollout need
         not idle until the trainer next asks for a batch."""
-        if self.in_flight is not None and self.dispatch.done(self.in_flight[2]):
+        if self.in_flight is not None and self.dispatch.done(self.in_flight.pending):
             self._advance()
 
     def push_due(self, step: int) -> bool:
@@ -71,14 +98,38 @@ class AsyncSchedule:
         return step % self.sync_every == 0
 
     def push(self, step: int, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """Push step ``step``'s weights with ``sync()``, once the engines have made every batch the
-        outgoing version may still make and are idle; returns what ``sync`` returned. (Each batch is
-        sent as soon as the bound allows: with none in flight, the next is past it.)"""
-        while self.in_flight is not None:
-            self._advance()
+        """Push step ``step``'s weights with ``sync()`` once the engines are idle; returns what ``sync``
+        returned. Without partial rollout the engines first make every batch the outgoing version may
+        still make (each batch is sent as soon as the bound allows: with none in flight, the next is
+        past it); with it, the batch in flight is paused, and continued under the new weights."""
+        if self.partial_rollout and self.in_flight is not None:
+            self._pause()
+        else:
+            while self.in_flight is not None:
+                self._advance()
         result = sync()
         self.pushed = step
         self.pushes += 1
+        if self.in_flight is not None:  # paused above: its paused responses go on under the new weights
+            self.in_flight.pending = self.dispatch.resume(self.in_flight.pending)
+        return result
+
+    def _pause(self) -> None:
+        """Pause the batch in flight; its responses so far were made by the engines' version."""
+        pending = self.in_flight.pending
+        so_far, self.in_flight.pending = self._wait(lambda timeout_s: self.dispatch.pause(pending, timeout_s))
+        self.in_flight.record(so_far, self.pushed)
+
+    def _wait(self, answers: Callable[[float], object]):
+        """``answers(timeout_s)``: the rollout ranks' answers, waited for at most ``wait_timeout_s``
+        (``timing_s/wait_rollout``); past it, one line naming the key that sets the limit."""
+        clock = time.perf_counter()
+        try:
+            result = answers(self.wait_timeout_s)
+        except WorkerTimeoutError as e:
+            raise WorkerTimeoutError(f"no batch from the rollout pool within {WAIT_KEY}={self.wait_timeout_s:g} s: {e} "
+                                     "(hung, or generating slower than that: then raise it)") from None
+        self.waited += time.perf_counter() - clock
         return result
 
     def _send_next(self) -> None:
@@ -87,34 +138,34 @@ class AsyncSchedule:
         step = self.next_step
         if self.in_flight is not None or step > self.total_steps or step - 1 - self.pushed > self.max_staleness:
             return
-        self.in_flight = (step, self.pushed, self.start(step))
+        pending = self.start(step)
+        self.in_flight = _Generating(step, pending, [[] for _ in pending.rows])
         self.next_step += 1
 
     def _advance(self) -> None:
         """Wait for the generation in flight, then send the next one."""
-        (step, version, pending), self.in_flight = self.in_flight, None
-        clock = time.perf_counter()
-        try:
-            self.made[step] = self.dispatch.collect(pending, self.wait_timeout_s)
-        except WorkerTimeoutError as e:
-            raise WorkerTimeoutError(f"no batch from the rollout pool within {WAIT_KEY}={self.wait_timeout_s:g} s: {e} "
-                                     "(hung, or generating slower than that: then raise it)") from None
-        self.waited += time.perf_counter() - clock
-        self.generated += self.made[step].gen_seconds
-        self.made[step].policy_version = version
+        generating, self.in_flight = self.in_flight, None
+        rollout = self._wait(lambda timeout_s: self.dispatch.collect(generating.pending, timeout_s))
+        generating.record(rollout, self.pushed)
+        rollout.gen_seconds, rollout.token_versions = generating.seconds, generating.token_versions
+        rollout.resumed_rows = len(generating.resumed)
+        self.generated += rollout.gen_seconds
+        self.made[generating.step] = rollout
         self._send_next()
 
     def metrics(self, step: int, rollout: Rollout, step_seconds: float) -> dict[str, float]:
-        """How stale the step's samples were (versions behind the policy that scored them), how long
-        the trainer waited for generations, generation as the rollout ranks timed it, whether the
-        step pushed its weights, and the share of the step each pool spent idle: the trainer waiting
+        """How stale the step's response tokens were (versions behind the policy that scored them:
+        mean and max over the tokens), how many responses a push paused and the rollout continued,
+        how long the trainer waited for generations, generation as the rollout ranks timed it, whether
+        the step pushed its weights, and the share of the step each pool spent idle: the trainer waiting
         for a batch; the rollout ranks not generating (counted by the batches collected in the step,
         so a generation that ran across two steps counts in the step that collected it)."""
         waited, self.waited = self.waited, 0.0
         generated, self.generated = self.generated, 0.0
         pushes, self.pushes = self.pushes, 0
-        behind = float(step - 1 - rollout.policy_version)  # one generation batch: every sample alike
-        return {"async/staleness_mean": behind, "async/staleness_max": behind, "async/weight_pushes": float(pushes),
+        behind = [step - 1 - version for versions in rollout.token_versions for version in versions]
+        return {"async/staleness_mean": sum(behind) / len(behind), "async/staleness_max": float(max(behind)),
+                "async/partial_rollout_resumes": float(rollout.resumed_rows), "async/weight_pushes": float(pushes),
                 "timing_s/wait_rollout": waited, "timing_s/gen": rollout.gen_seconds,
                 "async/idle_ratio_trainer": min(1.0, waited / step_seconds),
                 "async/idle_ratio_rollout": max(0.0, 1.0 - generated / step_seconds)}

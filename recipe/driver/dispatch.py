@@ -9,6 +9,7 @@ records of a pass come back per rank and are merged into one table of the batch'
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import ray
@@ -19,7 +20,7 @@ from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.runtime.batch import INPUT_IDS, RESPONSE_MASK, ROUTED_EXPERTS
 from recipe.data.dataset import PromptSample
-from recipe.rollout.base import SamplingParams
+from recipe.rollout.base import Generation, SamplingParams
 from recipe.tracking.metrics import mean_metrics
 from recipe.workers.colocated import RankInfo
 from recipe.workers.group import WorkerGroup
@@ -36,7 +37,9 @@ class Rollout:
     finish_reasons: list[str]
     routed_experts: list[torch.Tensor] | None = None  # per row, when the engine reports routing
     gen_seconds: float = 0.0  # generation as the slowest rollout rank measured it
-    policy_version: int = 0  # the updates the engines' weights had seen: every row was sampled under it
+    # per row, per response token: the policy version (updates the engines' weights had seen) that made it
+    token_versions: list[list[int]] | None = None
+    resumed_rows: int = 0  # rows paused by a weight push and continued under the new weights
 
 
 @dataclass
@@ -46,6 +49,8 @@ class PendingRollout:
     rows: list[PromptSample]
     n: int  # responses per prompt
     refs: list
+    # a resumed generation: each rank's answer at the pause, for the ranks with nothing to continue
+    paused: list[tuple[Generation, float]] | None = None
 
 
 class Dispatch:
@@ -82,12 +87,36 @@ class Dispatch:
         ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
         return len(ready) == len(pending.refs)
 
+    def pause(self, pending: PendingRollout, timeout_s: float | None = None) -> tuple[Rollout, PendingRollout]:
+        """Partial rollout: the generation's responses so far, each rank's stopped after its current
+        token, and the generation for ``resume``. The unfinished responses (finish reason "paused")
+        wait in the ranks."""
+        self.generators.call("pause", phase="generation")
+        answers = self._answers(pending, timeout_s)
+        return self._rollout(pending, answers), dataclasses.replace(pending, paused=answers)
+
+    def resume(self, paused: PendingRollout) -> PendingRollout:
+        """The paused generation continued by the rollout ranks under the weights they hold now;
+        ``collect`` gathers every row of it, the continued ones complete or paused again."""
+        return dataclasses.replace(paused, refs=self.generators.submit("resume"))
+
     def collect(self, pending: PendingRollout, timeout_s: float | None = None) -> Rollout:
-        """The generation's samples, once every rollout rank has answered (the first rank of each
-        rollout TP group answers for it); ``WorkerTimeoutError`` past ``timeout_s``."""
-        outputs = self.generators.get(pending.refs, "generation", timeout_s)
+        """The generation's samples, once every rollout rank has answered; ``WorkerTimeoutError``
+        past ``timeout_s``."""
+        return self._rollout(pending, self._answers(pending, timeout_s))
+
+    def _answers(self, pending: PendingRollout, timeout_s: float | None) -> list[tuple[Generation, float]]:
+        """Each rollout rank's responses and generation seconds, once every one has answered."""
+        answers = self.generators.get(pending.refs, "generation", timeout_s)
+        if pending.paused is None:
+            return answers
+        # resumed: a rank that had nothing paused answers None, its rows complete at the pause
+        return [(then, 0.0) if now is None else now for now, (then, _) in zip(answers, pending.paused)]
+
+    def _rollout(self, pending: PendingRollout, answers: list[tuple[Generation, float]]) -> Rollout:
+        """The ranks' answers as one rollout (the first rank of each rollout TP group answers for it)."""
         response_ids, log_probs, finish, routed, seconds = [], [], [], [], 0.0
-        for rank, (out, took) in enumerate(outputs):
+        for rank, (out, took) in enumerate(answers):
             seconds = max(seconds, took)
             if rank % self.rollout_tp == 0:
                 response_ids += out.token_ids

@@ -77,10 +77,14 @@ class Generation:
 
     token_ids: list[list[int]]
     log_probs: list[list[float]]  # one per response token (see the module doc)
-    finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop token) or "length"
+    # "stop" (EOS / stop token), "length", or "paused" (stopped by the engine's pause(), to be continued)
+    finish_reasons: list[str] = field(default_factory=list)
     # with routing reported: per response, [prompt + response - 1 tokens, layers, k] int16 expert ids,
     # ascending, from the first prompt token on; the last response token is never fed to the model
     routed_experts: list[torch.Tensor] | None = None
+    # an engine that can pause: per request, the sampler to continue it with; stays in the process
+    # that generated it (recipe.rollout.partial)
+    generators: list[torch.Generator] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -105,6 +106,7 @@ class HFEngine:
         self._slots = _hub_slots(self.model)
         self._spare: dict[str, torch.Tensor] = {}  # staging tensors for the next load_weights
         self._asleep = False
+        self._pause = threading.Event()  # set by pause() from another thread, read between tokens
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -155,16 +157,26 @@ class HFEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
+    def pause(self) -> None:
+        """Stop the generation running now (called from another thread) after its current token:
+        its unfinished responses come back with finish reason "paused" (``recipe.rollout.partial``).
+        A generation that starts later clears the request, so one that came too late stops nothing."""
+        self._pause.set()
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None) -> Generation:
+                 request_ids: Sequence[int] | None = None,
+                 generators: Sequence[torch.Generator] | None = None) -> Generation:
         """One response per prompt. With a seed, each request samples from its own generator
         (seeded by the seed and its request id, default its index), so a response does not depend
-        on which other prompts share the batch or the engine."""
+        on which other prompts share the batch or the engine. ``generators``: the requests' own,
+        as a paused generation returned them, to continue their samples instead of seeding anew."""
+        self._pause.clear()
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
         if not prompts:
-            return Generation(token_ids=[], log_probs=[], finish_reasons=[], routed_experts=[] if self.routing else None)
+            return Generation(token_ids=[], log_probs=[], finish_reasons=[], routed_experts=[] if self.routing else None,
+                              generators=[])
         check_prompts(prompts, params.max_tokens, self.config.vocab_size, self.config.max_position_embeddings,
                       "model's max_position_embeddings")
         batch, width = len(prompts), max(len(p) for p in prompts)
@@ -176,14 +188,15 @@ class HFEngine:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0
 
-        if params.seed is None:
+        if params.seed is None:  # nothing to reproduce: a continuation draws afresh too
             generators = [torch.Generator(self.device)]
             generators[0].seed()
         else:
             ids = range(batch) if request_ids is None else request_ids
             if len(ids) != batch:
                 raise ValueError(f"{len(ids)} request ids for {batch} prompts")
-            generators = [torch.Generator(self.device).manual_seed(request_seed(params.seed, i)) for i in ids]
+            generators = generators or [torch.Generator(self.device).manual_seed(request_seed(params.seed, i))
+                                        for i in ids]
         stop_ids = torch.tensor(
             sorted(self.eos_token_ids | set(params.stop_token_ids)), dtype=torch.long, device=self.device
         )
@@ -192,6 +205,7 @@ class HFEngine:
         log_probs = torch.empty(batch, params.max_tokens, dtype=torch.float32, device=self.device)
         lengths = torch.full((batch,), params.max_tokens, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        paused = False
         cache = DynamicCache(config=self.config)
         fed_routing = []  # per model call: [batch, tokens fed, layers, k]
         for step in range(params.max_tokens):
@@ -213,6 +227,10 @@ class HFEngine:
             stopped |= newly
             if bool(stopped.all()):
                 break
+            if self._pause.is_set() and step + 1 < params.max_tokens:
+                lengths[~stopped] = step + 1
+                paused = True
+                break
             input_ids = token[:, None]
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             positions = positions[:, -1:] + 1
@@ -225,8 +243,9 @@ class HFEngine:
         return Generation(
             token_ids=[row[:n] for row, n in zip(tokens.tolist(), lengths)],
             log_probs=[row[:n] for row, n in zip(log_probs.tolist(), lengths)],
-            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+            finish_reasons=["stop" if s else "paused" if paused else "length" for s in stopped.tolist()],
             routed_experts=routed,
+            generators=list(generators) if len(generators) == batch else generators * batch,  # per request
         )
 
     # -- colocated mode -----------------------------------------------------------------------

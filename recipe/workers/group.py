@@ -164,7 +164,8 @@ class WorkerGroup:
                 f"each node needs {pool.devices_per_node} x {bundle}; the cluster has {ray.cluster_resources()}. "
                 f"Check {pool.keys} against the nodes that joined"
             )
-        remote = ray.remote(pool.actor)
+        groups = getattr(pool.actor, "concurrency_groups", None)  # calls that run beside the others
+        remote = ray.remote(concurrency_groups=groups)(pool.actor) if groups else ray.remote(pool.actor)
         self.workers = [
             remote.options(
                 num_cpus=cpus_per_worker,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import ray
 import torch
 
 from recipe.config import RecipeConfig
@@ -63,7 +64,11 @@ class TrainerWorker(Worker):
 
 
 class RolloutRank:
-    """One rollout rank: its engine, in a process with no Megatron shard, outside the training world."""
+    """One rollout rank: its engine, in a process with no Megatron shard, outside the training world.
+    ``pause`` runs in a concurrency group of its own, so that it reaches a ``generate`` in progress;
+    every other call runs one at a time, in the default group."""
+
+    concurrency_groups = {"pause": 1}
 
     def __init__(self, rank: int, world_size: int, threads: int):
         self.rank, self.world_size = rank, world_size
@@ -86,6 +91,15 @@ class RolloutRank:
     def generate(self, prompts: list[list[int]], request_ids: list[int],
                  params: SamplingParams) -> tuple[Generation, float]:
         return self.rollout.generate(prompts, request_ids, params)
+
+    @ray.method(concurrency_group="pause")
+    def pause(self) -> None:
+        """Partial rollout: the ``generate`` in progress returns after its current token."""
+        self.rollout.pause()
+
+    def resume(self) -> tuple[Generation, float] | None:
+        """The paused generation continued under the weights held now (None: nothing paused here)."""
+        return self.rollout.resume()
 
     def sync_weights(self) -> None:
         """Receive the training ranks' broadcast into the engine (with their ``sync_weights``)."""
