@@ -78,11 +78,15 @@ def summarize(history: list[dict], wall: float) -> dict[str, float]:
     steps = [m for m in history if "timing_s/step" in m]
     step_s = sum(m["timing_s/step"] for m in steps)
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in steps)  # noqa: E731
+    pushed = [m for m in steps if "timing_s/reshard" in m]  # fully_async pushes every T steps only
     return {
         "wall_s": wall, "steps_s": step_s, "step_median_s": statistics.median(m["timing_s/step"] for m in steps),
         "tokens_per_s": sum(m["perf/total_num_tokens"] for m in steps) / step_s,
         "gen_s": mean("timing_s/gen"), "wait_rollout_s": mean("timing_s/wait_rollout"),
         "idle_trainer": mean("async/idle_ratio_trainer"), "idle_rollout": mean("async/idle_ratio_rollout"),
+        "reshard_s": statistics.fmean(m["timing_s/reshard"] for m in pushed),
+        "broadcast_gb_per_s": (statistics.fmean(m["reshard/broadcast_gb_per_s"] for m in pushed)
+                               if "reshard/broadcast_gb_per_s" in pushed[0] else None),  # None: in-process
         "staleness_max": max(m.get("async/staleness_max", 0.0) for m in steps),
         "response_length": mean("response_length/mean"),
         "score_last5": statistics.fmean(m["critic/score/mean"] for m in steps[-5:]),
@@ -96,15 +100,22 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, load_
         f"Command: `{command}`", "",
         *machine_facts("one torch thread per worker; a rollout pool of its own adds its ranks on the same cores", load_before),
         "", "| variant | whole run s | sum of steps s | median step s | tokens/s | mean `gen` s | mean `wait_rollout` s "
-        "| trainer idle | rollout idle | max staleness | mean response tokens | score, last 5 steps |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| trainer idle | rollout idle | weight sync s | broadcast GB/s | max staleness | mean response tokens "
+        "| score, last 5 steps |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    notes = ["", "Weight sync s: the mean `timing_s/reshard` of the steps that pushed weights (colocated: the "
+             "export loaded into the engines in the same processes; a pool of its own: the export broadcast "
+             "over gloo from training rank 0 and loaded there, at the broadcast GB/s shown)."]
     for variant, r in results.items():
+        broadcast = "in-process" if r["broadcast_gb_per_s"] is None else f"{r['broadcast_gb_per_s']:.2f}"
         lines.append(f"| {variant} | {r['wall_s']:.1f} | {r['steps_s']:.1f} | {r['step_median_s']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['gen_s']:.2f} | {r['wait_rollout_s']:.2f} | "
-                     f"{r['idle_trainer']:.0%} | {r['idle_rollout']:.0%} | {r['staleness_max']:.0f} | "
+                     f"{r['idle_trainer']:.0%} | {r['idle_rollout']:.0%} | {r['reshard_s']:.3f} | "
+                     f"{broadcast} | "
+                     f"{r['staleness_max']:.0f} | "
                      f"{r['response_length']:.1f} | {r['score_last5']:.3f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
 
 
 def plot(histories: dict[str, list[dict]], path: Path) -> None:
