@@ -22,13 +22,14 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import yaml
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
 from recipe.config import builtin_task, deep_merge, parse_overrides, read_yaml
+from recipe.verl_compat import MISSING, get_dotted
 
 RUNTIME_ENV_DIR = os.path.join(CONFIGS_DIR, "runtime_env")
 RUNTIME_ENV_FOR_DEVICE = {"npu": "mc2.yaml", "cuda": "base.yaml", "cpu": "base.yaml"}
@@ -73,21 +74,9 @@ def rollout_pool_overrides(args: argparse.Namespace) -> list[str]:
         return []
     out = ["actor_rollout_ref.hybrid_engine=false", f"actor_rollout_ref.rollout.nnodes={args.rollout_nnodes}",
            f"actor_rollout_ref.rollout.n_gpus_per_node={args.rollout_devices_per_node}"]
-    if _MISSING is _lookup(parse_overrides(args.overrides), "async_training.mode"):
+    if get_dotted(parse_overrides(args.overrides), "async_training.mode") is MISSING:
         out.append("async_training.mode=one_step_off")
     return out
-
-
-_MISSING = object()
-
-
-def _lookup(data: Any, dotted: str) -> Any:
-    """The value at ``a.b.c`` in nested mappings, ``_MISSING`` where a key is not there."""
-    for key in dotted.split("."):
-        if not isinstance(data, dict) or key not in data:
-            return _MISSING
-        data = data[key]
-    return data
 
 
 def check_rollout_pool_inputs(recipe: str, args: argparse.Namespace) -> None:
@@ -96,7 +85,7 @@ def check_rollout_pool_inputs(recipe: str, args: argparse.Namespace) -> None:
     if not args.rollout_nnodes:
         return
     given = deep_merge(read_yaml(recipe), parse_overrides(args.overrides))
-    if _lookup(given, "actor_rollout_ref.hybrid_engine") is True:
+    if get_dotted(given, "actor_rollout_ref.hybrid_engine") is True:
         raise ConfigError(
             f"ROLLOUT_NNODES={args.rollout_nnodes} / ROLLOUT_NPUS_PER_NODE={args.rollout_devices_per_node} give the "
             f"rollout nodes of its own, but the recipe {recipe} or an override sets actor_rollout_ref.hybrid_engine=true "

@@ -201,11 +201,12 @@ def _pop(data: dict, key: str) -> None:
             del node[part]
 
 
-def _get(data: Mapping, key: str) -> Any:
+def get_dotted(data: Mapping, key: str) -> Any:
+    """The value at ``a.b.c`` in nested mappings, ``MISSING`` where a key is not there."""
     node: Any = data
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
-            return _MISSING
+            return MISSING
         node = node[part]
     return node
 
@@ -217,7 +218,7 @@ def _set(data: dict, key: str, value: Any) -> None:
     node[key.split(".")[-1]] = value
 
 
-_MISSING = object()
+MISSING = object()
 
 
 GRADIENT_CHECKPOINTING = f"{ARR}.model.enable_gradient_checkpointing"
@@ -226,8 +227,8 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
 
 def _gradient_checkpointing(out: Translation, value: Any) -> None:
     """Every layer recomputed in the backward pass, unless the layout already chose its recompute."""
-    chosen = _get(out.data, f"{OTC}.recompute_granularity")
-    if value is True and chosen in (_MISSING, None):
+    chosen = get_dotted(out.data, f"{OTC}.recompute_granularity")
+    if value is True and chosen in (MISSING, None):
         for key, setting in FULL_RECOMPUTE.items():
             _set(out.data, f"{OTC}.{key}", setting)
     else:
@@ -247,8 +248,8 @@ def translate(config: Mapping) -> Translation:
             _gradient_checkpointing(out, value)
         elif (entry := _matches(RENAMED, key)) is not None:
             target = RENAMED[entry]
-            present = _get(out.data, target)
-            if present is not _MISSING and present != value:
+            present = get_dotted(out.data, target)
+            if present is not MISSING and present != value:
                 out.errors.append(f"{key}={value!r} (verl's spelling of {target}) and {target}={present!r} disagree; "
                                   "set one of them")
                 continue
@@ -281,5 +282,5 @@ def translate(config: Mapping) -> Translation:
 
 def check_equal(checks: list[tuple[str, Any, str, str]], plain: Mapping) -> list[str]:
     """The mirrored keys whose value differs from the key they mirror in the typed config ``plain``."""
-    return [f"{key}={value!r} must equal {target} ({_get(plain, target)!r}): {why}"
-            for key, value, target, why in checks if _get(plain, target) != value]
+    return [f"{key}={value!r} must equal {target} ({get_dotted(plain, target)!r}): {why}"
+            for key, value, target, why in checks if get_dotted(plain, target) != value]
