@@ -142,14 +142,18 @@ wait_child() {
 }
 
 # await_pid <pid> <seconds>: wait for a child to exit, killing it after <seconds>. It polls, so that
-# a signal during clean-up (only logged there) does not cut the wait short.
+# a signal during clean-up (only logged there) does not cut the wait short. It never waits for a
+# child that is gone: a signal whose trap interrupts `wait` just as that child is reaped leaves bash
+# believing it still runs (bash 5.2), and `wait` for it would block for ever.
 await_pid() {
   local deadline=$((SECONDS + $2))
   while kill -0 "$1" 2>/dev/null && ((SECONDS < deadline)); do
     sleep 0.2
   done
-  kill -KILL "$1" 2>/dev/null || true
-  wait "$1" 2>/dev/null || true
+  if kill -0 "$1" 2>/dev/null; then
+    kill -KILL "$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+  fi
 }
 
 # start_time <pid>: when the process started (clock ticks since boot; nothing if it is gone or a
@@ -258,7 +262,6 @@ start_ray_node() {
   local deadline=$((SECONDS + RAY_START_TIMEOUT_S))
   until grep -q "Ray runtime started" "$out"; do
     if ! kill -0 "$RAY_PID" 2>/dev/null; then
-      wait "$RAY_PID" || true
       RAY_PID=""
       return 1
     fi

@@ -162,7 +162,8 @@ class Launcher:
                     return found
                 if self._eof or time.monotonic() >= deadline:
                     pytest.fail(f"the launcher {'ended' if self._eof else f'ran {HANG_S}s'} without printing "
-                                f"{needle!r}; its output:\n{''.join(self.lines)[-3000:]}")
+                                f"{needle!r}; its processes (where each waits):\n{processes(self.tmp_path)}\n"
+                                f"its output:\n{''.join(self.lines)[-3000:]}")
                 self._changed.wait(deadline - time.monotonic())
 
     def pause_point(self, point: str) -> None:
