@@ -13,8 +13,10 @@ import torch
 
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
+from recipe.data.dataset import BatchSampler
 from recipe.driver.async_schedule import AsyncSchedule
 from recipe.driver.dispatch import PendingRollout, Rollout
+from recipe.driver.trainer import prompt_hash
 from recipe.tracking.loggers import read_jsonl
 from tests.test_recipe_e2e import TINY, VOLATILE, _trainer
 
@@ -487,6 +489,12 @@ def test_a_rollout_rank_that_dies_in_generation_is_named_and_the_run_resumes(tmp
     assert sorted(logged) == [1, 2, 3]
     # the resumed run makes its first batch afresh (step 2: current weights), then runs a step ahead
     assert [logged[step]["async/staleness_max"] for step in (1, 2, 3)] == [0.0, 0.0, 1.0]
+    # step 2's batch, made ahead during step 1 and lost with the rank, is drawn again, not skipped:
+    # steps 1-3 trained the sampler's first three batches, as an uninterrupted run does
+    s = resumed.sampler
+    fresh = BatchSampler(s.size, s.batch_size, shuffle=s.shuffle, seed=s.seed, drop_last=s.drop_last)
+    expected = [prompt_hash([resumed.train_data[i] for i in fresh.next_batch()]) for _ in range(3)]
+    assert [logged[step]["data/prompt_hash"] for step in (1, 2, 3)] == expected
 
 
 @pytest.mark.slow

@@ -103,6 +103,9 @@ class Trainer:
         self.workers: WorkerGroup | None = None
         self.rollout_workers: WorkerGroup | None = None  # a rollout pool of its own
         self.ahead: AsyncSchedule | None = None  # the asynchronous modes: the batches generated ahead
+        # the sampler's position before each step's first generation batch was drawn, for the steps
+        # not trained yet: a checkpoint records the one of the step after it (see save_checkpoint)
+        self.sampler_before: dict[int, dict] = {}
         self.pending_save: Path | None = None  # a background save's temporary directory
 
     # --- set-up ------------------------------------------------------------------------------
@@ -258,7 +261,7 @@ class Trainer:
         metrics["training/epoch"] = float(self.sampler.epoch)
         # the step's prompts, in order: runs that saw the same prompts log the same number
         prompts = rollout.samples[:: cfg.actor_rollout_ref.rollout.n]
-        metrics["data/prompt_hash"] = float(zlib.crc32(torch.tensor([t for s in prompts for t in s.prompt_ids]).numpy()))
+        metrics["data/prompt_hash"] = prompt_hash(prompts)
         return metrics
 
     # --- phases ------------------------------------------------------------------------------
@@ -302,6 +305,9 @@ class Trainer:
         """The sampler's next prompts sent to the rollout ranks as ``step``'s ``index``-th generation
         batch (its seeds), without waiting."""
         n = self.cfg.actor_rollout_ref.rollout.n
+        if index == 0:
+            self.sampler_before = {s: v for s, v in self.sampler_before.items() if s > self.step}
+            self.sampler_before[step] = self.sampler.state_dict()
         prompts = [self.train_data[i] for i in self.sampler.next_batch()]
         return self.dispatch.start_generation(prompts, n, self.sampling_params(step), first_row=index * len(prompts) * n)
 
@@ -383,7 +389,10 @@ class Trainer:
         timer, done = Timer(), None
         with timer("save_checkpoint"):
             done = self._finish_save()
-            state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value}
+            # The position before the next step's batch: batches made ahead (asynchronous modes) are
+            # drawn again by a resumed run, not skipped.
+            sampler = self.sampler_before.get(self.step + 1, self.sampler.state_dict())
+            state = {"step": self.step, "sampler": sampler, "kl_coef": self.kl_ctrl.value}
             self.pending_save = checkpoint.start_save(self.workers, self.ckpt_dir, self.step, state, self.model_dir)
             if wait or not self.cfg.actor_rollout_ref.actor.checkpoint.async_save:
                 done = self._finish_save()
@@ -418,6 +427,11 @@ class Trainer:
             if group is not None:
                 group.close()
         self.workers = self.rollout_workers = None
+
+
+def prompt_hash(prompts: list) -> float:
+    """A checksum of the prompts' token ids, in order: runs that saw the same prompts log the same."""
+    return float(zlib.crc32(torch.tensor([t for p in prompts for t in p.prompt_ids]).numpy()))
 
 
 def run_length(total_training_steps: int | None, total_epochs: int | None, steps_per_epoch: int) -> int:
