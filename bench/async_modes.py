@@ -2,7 +2,8 @@
 how long each pool waited, and the score against wall time (docs/async.md, "Benchmark").
 
     python bench/async_modes.py [--config configs/recipe/tiny_gspo.yaml] [--variants gspo,gspo_async1,gspo_async2]
-        [--steps 20] [--out docs/async.md] [--plot docs/images/async_score_vs_time.png] [key=value ...]
+        [--steps 20] [--out docs/async.md [--block NAME]] [--plot docs/images/async_score_vs_time.png]
+        [key=value ...]
 
 Each variant is a ``recipe.compare`` variant name (its overrides come from there: ``async1`` is
 ``one_step_off``, ``asyncK`` for K >= 2 is ``fully_async`` with samples at most K versions old) run as
@@ -39,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="recipe.compare variant names, comma-separated (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="training steps per variant (default %(default)s)")
     p.add_argument("--out", type=Path, help="write the results block of this markdown file")
+    p.add_argument("--block", default="", help="with --out: write the block of this name (a file may hold several)")
     p.add_argument("--plot", type=Path, help="write the score against wall time as this PNG")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides for every variant")
     args = p.parse_args(argv)
@@ -47,8 +49,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variants = args.variants.split(",")
     if not all(args.variants):
         p.error(f"--variants {','.join(args.variants)!r}: empty name; give names separated by single commas")
-    check_out(p, args.out, SCRIPT)
+    if args.block and not args.block.replace("_", "").isalnum():
+        p.error(f"--block {args.block!r}: use letters, digits and _ only")
+    check_out(p, args.out, block_name(args))
     return args
+
+
+def block_name(args: argparse.Namespace) -> str:
+    """What the --out file's block markers name: this script, and the block if not the default one."""
+    return SCRIPT + (f" --block {args.block}" if args.block else "")
 
 
 def variant_command(args: argparse.Namespace, variant: str, run_dir: Path) -> list[str]:
@@ -83,7 +92,9 @@ def summarize(history: list[dict], wall: float) -> dict[str, float]:
         "wall_s": wall, "steps_s": step_s, "step_median_s": statistics.median(m["timing_s/step"] for m in steps),
         "tokens_per_s": sum(m["perf/total_num_tokens"] for m in steps) / step_s,
         "gen_s": mean("timing_s/gen"), "wait_rollout_s": mean("timing_s/wait_rollout"),
-        "idle_trainer": mean("async/idle_ratio_trainer"), "idle_rollout": mean("async/idle_ratio_rollout"),
+        # the synchronous run has no pools that wait for each other: not measured there
+        "idle_trainer": mean("async/idle_ratio_trainer") if "async/idle_ratio_trainer" in steps[0] else None,
+        "idle_rollout": mean("async/idle_ratio_rollout") if "async/idle_ratio_rollout" in steps[0] else None,
         "reshard_s": statistics.fmean(m["timing_s/reshard"] for m in pushed),
         "broadcast_gb_per_s": (statistics.fmean(m["reshard/broadcast_gb_per_s"] for m in pushed)
                                if "reshard/broadcast_gb_per_s" in pushed[0] else None),  # None: in-process
@@ -111,11 +122,15 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, load_
         broadcast = "in-process" if r["broadcast_gb_per_s"] is None else f"{r['broadcast_gb_per_s']:.2f}"
         lines.append(f"| {variant} | {r['wall_s']:.1f} | {r['steps_s']:.1f} | {r['step_median_s']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['gen_s']:.2f} | {r['wait_rollout_s']:.2f} | "
-                     f"{r['idle_trainer']:.0%} | {r['idle_rollout']:.0%} | {r['reshard_s']:.3f} | "
+                     f"{percent(r['idle_trainer'])} | {percent(r['idle_rollout'])} | {r['reshard_s']:.3f} | "
                      f"{broadcast} | "
                      f"{r['staleness_max']:.0f} | "
                      f"{r['response_length']:.1f} | {r['score_last5']:.3f} |")
     return "\n".join(lines + notes)
+
+
+def percent(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
 
 
 def plot(histories: dict[str, list[dict]], path: Path) -> None:
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(histories, args.plot)
     if args.out:
-        write_doc(args.out, body, SCRIPT, "Asynchronous training")
+        write_doc(args.out, body, block_name(args), "Asynchronous training")
     return 0
 
 

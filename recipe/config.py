@@ -46,7 +46,7 @@ from recipe.rollout import ENGINES, engines_for
 from recipe.verl_compat import check_equal, translate
 
 BUILTIN_TINY = "builtin:tiny"
-BUILTIN_TASKS = ("tiny", "tiny_long")  # builtin:<task>, built by recipe/data/tiny_task.py
+BUILTIN_TASKS = ("tiny", "tiny_long", "tiny_long_tail")  # builtin:<task>, built by recipe/data/tiny_task.py
 _LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
 _DERIVED = ("layout", "ignored")  # RecipeConfig fields built while loading, not YAML keys
 

@@ -2,6 +2,7 @@
 
 import os
 import random
+import statistics
 import re
 
 import jinja2
@@ -300,7 +301,7 @@ def test_builtin_names_are_the_tasks():
     assert set(tiny_task.TASKS) == set(BUILTIN_TASKS)
     assert builtin_task("builtin:tiny_long") == "tiny_long" and builtin_task("builtin:tiny") == "tiny"
     assert builtin_task("builtin:other") is None and builtin_task("data/builtin:tiny") is None
-    with pytest.raises(tiny_task.TinyTaskError, match="no built-in task 'other'; there are tiny, tiny_long"):
+    with pytest.raises(tiny_task.TinyTaskError, match="no built-in task 'other'; there are tiny, tiny_long, tiny_long_tail"):
         tiny_task.task_rows(1, seed=0, split="train", task="other")
 
 
@@ -322,6 +323,26 @@ def test_long_task_rows_are_worked_out_digit_by_digit():
     assert tiny_task.make_long_question(random.Random(1)) == tiny_task.Question(
         "after 141777?", answer="252888", response="1>2, 4>5, 1>2, 7>8, 7>8, 7>8. Answer: 252888"
     )
+
+
+def test_long_tail_task_rows_are_mostly_short_and_a_few_long():
+    """1 + floor(20 u^3) digits: P(n <= 3) = (3/20)^(1/3) = 0.531, P(n >= 14) = 1 - (13/20)^(1/3) = 0.134."""
+    tokenizer = tiny_task.build_tokenizer()
+    rows = tiny_task.task_rows(tiny_task.TRAIN_ROWS, seed=0, split="train", task="tiny_long_tail")
+    rng = random.Random(f"{tiny_task.TASKS['tiny_long_tail'].cache_version}/train/0")  # as task_rows draws them
+    digits, lengths = [], []
+    for row in rows:
+        [message] = row["prompt"]
+        number = re.fullmatch(r"after (\d{1,20})\?", message["content"])[1]
+        assert row["reward_model"]["ground_truth"] == "".join(str(int(d) + 1) for d in number)
+        question = tiny_task.make_long_tail_question(rng)
+        assert question.prompt == message["content"] and dapo_score(question.response, question.answer) == 1.0
+        digits.append(len(number))
+        lengths.append(len(tokenizer.encode(question.response, add_special_tokens=False)))
+    assert min(digits) == 1 and max(digits) == 20 and statistics.median(digits) <= 3
+    assert sum(n <= 3 for n in digits) / len(digits) == pytest.approx(0.531, abs=0.03)
+    assert sum(n >= 14 for n in digits) / len(digits) == pytest.approx(0.134, abs=0.02)
+    assert min(lengths) == 14 and max(lengths) == 128  # 6 tokens a digit and 8
 
 
 @pytest.fixture(scope="module")

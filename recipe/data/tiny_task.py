@@ -28,6 +28,11 @@ lr 1e-3, 30 steps) on the builds of seeds 0-4: the score mean went from -0.18, -
 0.29 to 0.56, mean 0.48), while with lr 0 the same prompts moved by -0.22, -0.04 and +0.02 (seeds
 0-2). Mean response lengths stayed 43 to 52 tokens; a step took 1.0 to 2.2 s on one core. At lr
 2e-3 one of 3 seeds broke the format (responses ran to the length limit, score -1 from step 10).
+
+``builtin:tiny_long_tail``: ``tiny_long`` with 1 to 20 digits, drawn long-tailed (1 + floor(20 u^3):
+half the prompts have 3 digits or fewer, one in seven 14 or more), 14 to 128 response tokens: a batch
+ends when its longest response does, as in reasoning RL. Built for the asynchronous modes'
+benchmark (docs/async.md), not tuned for learning.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ WARMUP_BATCH_SIZE = 32
 WARMUP_LR = 3e-3
 
 LONG_MIN_DIGITS, LONG_MAX_DIGITS = 5, 8  # the long task's responses: 38 to 56 characters
+TAIL_MAX_DIGITS = 20  # the long-tail task's: 1 + floor(20 u^3) digits, 14 to 128 characters
 MODEL_SUBDIR = "model"
 
 
@@ -140,7 +146,17 @@ def make_question(rng: random.Random) -> Question:
 def make_long_question(rng: random.Random) -> Question:
     """The digit after each of 5 to 8 digits, worked out digit by digit: ``after 3725?`` is answered
     ``3>4, 7>8, 2>3, 5>6. Answer: 4836`` (digits from 0 to 8, as in ``make_question``)."""
-    digits = [rng.randrange(9) for _ in range(rng.randint(LONG_MIN_DIGITS, LONG_MAX_DIGITS))]
+    return _worked_question(rng, rng.randint(LONG_MIN_DIGITS, LONG_MAX_DIGITS))
+
+
+def make_long_tail_question(rng: random.Random) -> Question:
+    """``make_long_question`` with 1 + floor(20 u^3) digits (u uniform in [0, 1)): most responses
+    short, a few long, the response lengths of the dynamic-batch benchmark's ``R u^3``."""
+    return _worked_question(rng, 1 + int(TAIL_MAX_DIGITS * rng.random() ** 3))
+
+
+def _worked_question(rng: random.Random, length: int) -> Question:
+    digits = [rng.randrange(9) for _ in range(length)]
     work = ", ".join(f"{d}>{d + 1}" for d in digits)
     answer = "".join(str(d + 1) for d in digits)
     prompt = "after " + "".join(map(str, digits)) + "?"
@@ -176,6 +192,8 @@ TASKS = {
         Task("tiny", make_question, _random_answer, warmup_steps=60, probe=True, cache_version="tiny_task_v2"),
         Task("tiny_long", make_long_question, _right_response, warmup_steps=100, probe=False,
              cache_version="tiny_long_v1"),
+        Task("tiny_long_tail", make_long_tail_question, _right_response, warmup_steps=100, probe=False,
+             cache_version="tiny_long_tail_v1"),
     )
 }
 
