@@ -162,9 +162,12 @@ class Launcher:
                     return found
                 if self._eof or time.monotonic() >= deadline:
                     pytest.fail(f"the launcher {'ended' if self._eof else f'ran {HANG_S}s'} without printing "
-                                f"{needle!r}; its processes (where each waits):\n{processes(self.tmp_path)}\n"
-                                f"its output:\n{''.join(self.lines)[-3000:]}")
+                                f"{needle!r}; {self._state(''.join(self.lines))}")
                 self._changed.wait(deadline - time.monotonic())
+
+    def _state(self, output: str) -> str:
+        """For a hang's failure message: the launcher's processes and the end of its output."""
+        return f"its processes (where each waits):\n{processes(self.tmp_path)}\nits output:\n{output[-3000:]}"
 
     def pause_point(self, point: str) -> None:
         """Wait until the launcher is paused at point (LAUNCH_PAUSE_AT)."""
@@ -183,8 +186,7 @@ class Launcher:
         try:
             rc = self.proc.wait(timeout=HANG_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the launcher did not exit within {HANG_S}s; its processes (where each waits):\n"
-                        f"{processes(self.tmp_path)}\nits output:\n{self.text[-3000:]}")
+            pytest.fail(f"the launcher did not exit within {HANG_S}s; {self._state(self.text)}")
         with self._changed:  # its output ends with its tee; a descendant holding the pipe must not hang the test
             self._changed.wait_for(lambda: self._eof, timeout=60)
         return rc

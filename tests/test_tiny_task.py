@@ -305,20 +305,28 @@ def test_builtin_names_are_the_tasks():
         tiny_task.task_rows(1, seed=0, split="train", task="other")
 
 
-def test_long_task_rows_are_worked_out_digit_by_digit():
+def worked_rows(task: str, n: int, seed: int) -> tuple[list[int], list[int]]:
+    """``n`` train rows of a worked-out task, each checked against the question its generator draws
+    (prompt, ground truth, a right response DAPO scores +1): their digit counts and response tokens."""
     tokenizer = tiny_task.build_tokenizer()
-    rows = tiny_task.task_rows(200, seed=3, split="train", task="tiny_long")
-    rng = random.Random(f"{tiny_task.TASKS['tiny_long'].cache_version}/train/3")  # as task_rows draws them
-    lengths = set()
-    for row in rows:
+    spec = tiny_task.TASKS[task]
+    rng = random.Random(f"{spec.cache_version}/train/{seed}")  # as task_rows draws them
+    digits, lengths = [], []
+    for row in tiny_task.task_rows(n, seed=seed, split="train", task=task):
         [message] = row["prompt"]
-        digits = re.fullmatch(r"after (\d{5,8})\?", message["content"])[1]
-        assert set(digits) <= set("012345678")
-        assert row["reward_model"]["ground_truth"] == "".join(str(int(d) + 1) for d in digits)
-        question = tiny_task.make_long_question(rng)
-        assert question.prompt == message["content"]
-        lengths.add(len(tokenizer.encode(question.response, add_special_tokens=False)))
-        assert dapo_score(question.response, question.answer) == 1.0
+        number = re.fullmatch(r"after (\d+)\?", message["content"])[1]
+        assert set(number) <= set("012345678")
+        assert row["reward_model"]["ground_truth"] == "".join(str(int(d) + 1) for d in number)
+        question = spec.make_question(rng)
+        assert question.prompt == message["content"] and dapo_score(question.response, question.answer) == 1.0
+        digits.append(len(number))
+        lengths.append(len(tokenizer.encode(question.response, add_special_tokens=False)))
+    return digits, lengths
+
+
+def test_long_task_rows_are_worked_out_digit_by_digit():
+    digits, lengths = worked_rows("tiny_long", 200, seed=3)
+    assert 5 <= min(digits) and max(digits) <= 8
     assert min(lengths) == 38 and max(lengths) == 56  # tens of tokens, one per character
     assert tiny_task.make_long_question(random.Random(1)) == tiny_task.Question(
         "after 141777?", answer="252888", response="1>2, 4>5, 1>2, 7>8, 7>8, 7>8. Answer: 252888"
@@ -327,18 +335,7 @@ def test_long_task_rows_are_worked_out_digit_by_digit():
 
 def test_long_tail_task_rows_are_mostly_short_and_a_few_long():
     """1 + floor(20 u^3) digits: P(n <= 3) = (3/20)^(1/3) = 0.531, P(n >= 14) = 1 - (13/20)^(1/3) = 0.134."""
-    tokenizer = tiny_task.build_tokenizer()
-    rows = tiny_task.task_rows(tiny_task.TRAIN_ROWS, seed=0, split="train", task="tiny_long_tail")
-    rng = random.Random(f"{tiny_task.TASKS['tiny_long_tail'].cache_version}/train/0")  # as task_rows draws them
-    digits, lengths = [], []
-    for row in rows:
-        [message] = row["prompt"]
-        number = re.fullmatch(r"after (\d{1,20})\?", message["content"])[1]
-        assert row["reward_model"]["ground_truth"] == "".join(str(int(d) + 1) for d in number)
-        question = tiny_task.make_long_tail_question(rng)
-        assert question.prompt == message["content"] and dapo_score(question.response, question.answer) == 1.0
-        digits.append(len(number))
-        lengths.append(len(tokenizer.encode(question.response, add_special_tokens=False)))
+    digits, lengths = worked_rows("tiny_long_tail", tiny_task.TRAIN_ROWS, seed=0)
     assert min(digits) == 1 and max(digits) == 20 and statistics.median(digits) <= 3
     assert sum(n <= 3 for n in digits) / len(digits) == pytest.approx(0.531, abs=0.03)
     assert sum(n >= 14 for n in digits) / len(digits) == pytest.approx(0.134, abs=0.02)
