@@ -6,8 +6,9 @@ how long each pool waited, and the score against wall time (docs/async.md, "Benc
         [key=value ...]
 
 Each variant is a ``recipe.compare`` variant name (its overrides come from there: ``async1`` is
-``one_step_off``, ``asyncK`` for K >= 2 is ``fully_async`` with samples at most K versions old) run as
-its own ``python -m recipe.main`` process for ``--steps`` steps (no validation, no checkpoints),
+``one_step_off``, ``asyncK`` for K >= 2 is ``fully_async`` with samples at most K versions old),
+optionally followed by overrides of its own joined with ``+`` (``grpo_async2+async_training.require_batches=2``),
+run as its own ``python -m recipe.main`` process for ``--steps`` steps (no validation, no checkpoints),
 with the same seeds, so every variant trains on the same prompts and number of samples. Times
 come from the run's own ``metrics.jsonl``; the whole process's wall clock (start-up included) is
 measured around it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -37,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/recipe/tiny_gspo.yaml")
     p.add_argument("--variants", default="gspo,gspo_async1,gspo_async2",
-                   help="recipe.compare variant names, comma-separated (default %(default)s)")
+                   help="recipe.compare variant names, comma-separated, each optionally with +key=value "
+                        "overrides of its own (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="training steps per variant (default %(default)s)")
     p.add_argument("--out", type=Path, help="write the results block of this markdown file")
     p.add_argument("--block", default="", help="with --out: write the block of this name (a file may hold several)")
@@ -63,15 +66,16 @@ def block_name(args: argparse.Namespace) -> str:
 def variant_command(args: argparse.Namespace, variant: str, run_dir: Path) -> list[str]:
     from recipe.compare.runs import read_training_pool, variant_overrides
 
-    overrides = variant_overrides(variant, read_training_pool(args.config, args.overrides))
-    return [sys.executable, "-m", "recipe.main", "--config", args.config, *args.overrides, *overrides, *FIXED,
+    name, *own = variant.split("+")
+    overrides = variant_overrides(name, read_training_pool(args.config, args.overrides))
+    return [sys.executable, "-m", "recipe.main", "--config", args.config, *args.overrides, *overrides, *own, *FIXED,
             f"trainer.total_training_steps={args.steps}", f"trainer.default_local_dir={run_dir}",
-            f"trainer.experiment_name={variant}"]
+            f"trainer.experiment_name={run_dir.name}"]
 
 
 def run_variant(args: argparse.Namespace, variant: str, root: Path) -> tuple[list[dict], float]:
     """The variant's per-step metrics and the process's wall clock."""
-    run_dir = root / variant
+    run_dir = root / re.sub(r"[^A-Za-z0-9_.-]", "_", variant)
     command = variant_command(args, variant, run_dir)
     print(f"[{variant}] {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()

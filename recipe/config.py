@@ -299,7 +299,9 @@ class AsyncTrainingConfig:
     # fraction of the batches trained between pushes; the weights go to the rollout every this many steps
     staleness_threshold: float = 0.1
     trigger_parameter_sync_step: int = 4
-    require_batches: int = 1  # generation batches per step: 1 only here
+    # the step's data.train_batch_size prompts are generated as this many batches of
+    # train_batch_size / require_batches, each sent as soon as the bound allows (verl's: its mini-batches)
+    require_batches: int = 1
     # a push pauses the batch in flight, which goes on under the new weights (false: the push waits for it)
     partial_rollout: bool = False
 
@@ -309,14 +311,23 @@ class AsyncTrainingConfig:
         return self.trigger_parameter_sync_step if self.mode == "fully_async" else 1
 
     @property
-    def max_staleness(self) -> int:
-        """K: the most versions a sample may be behind the policy that trains on it. T - 1 comes from
-        the pushes' interval, floor(staleness_threshold x T) from the batches allowed ahead of it
-        (rounded first: 0.3 x 10 is 3, not 2.9999999999999996)."""
+    def generation_batches(self) -> int:
+        """R: the generation batches that make one step's batch."""
+        return self.require_batches if self.mode == "fully_async" else 1
+
+    @property
+    def batches_ahead(self) -> int:
+        """E: generation batches allowed ahead of one push interval, floor(staleness_threshold x T x R)
+        (rounded first: 0.3 x 10 is 3, not 2.9999999999999996); one_step_off's is one batch."""
         if self.mode != "fully_async":
             return 1
-        t = self.trigger_parameter_sync_step
-        return t - 1 + math.floor(round(self.staleness_threshold * t, 9))
+        return math.floor(round(self.staleness_threshold * self.trigger_parameter_sync_step * self.require_batches, 9))
+
+    @property
+    def max_staleness(self) -> int:
+        """K: the most versions a sample may be behind the policy that trains on it. T - 1 comes from
+        the pushes' interval, ceil(E / R) from the batches allowed ahead of it."""
+        return self.sync_every - 1 + math.ceil(self.batches_ahead / self.generation_batches)
 
 
 @dataclass(frozen=True)
@@ -332,6 +343,12 @@ class RecipeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ignored: tuple[str, ...] = ()  # verl keys given that have no effect here, with the reason (not a YAML key)
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Prompts generated at a time: DAPO's ``data.gen_batch_size``, else one step's share of each of
+        its ``require_batches`` generation batches."""
+        return self.data.gen_batch_size or self.data.train_batch_size // self.async_training.generation_batches
 
     @property
     def needs_reference(self) -> bool:
@@ -497,6 +514,7 @@ RULES: dict[str, Rule] = {
     "async_training.wait_rollout_timeout_s": greater_than(0),
     "async_training.staleness_threshold": at_least(0),
     "async_training.trigger_parameter_sync_step": POSITIVE,
+    "async_training.require_batches": POSITIVE,
 }
 
 
@@ -885,11 +903,16 @@ def _batch_problems(cfg: RecipeConfig) -> list[str]:
                 f"which must be a multiple of {_ACTOR}.ppo_micro_batch_size_per_gpu ({micro}): set it to one of "
                 f"{_divisors(rows // dp)}"
             )
-    if (data.train_batch_size * n) % rollout_dp:
+    batches = cfg.async_training.generation_batches
+    prompts = data.train_batch_size // batches if data.train_batch_size % batches == 0 else data.train_batch_size
+    if (prompts * n) % rollout_dp:
+        what = (f"data.train_batch_size x {_ROLLOUT}.n = {prompts} x {n}" if batches == 1 else
+                f"data.train_batch_size / async_training.require_batches x {_ROLLOUT}.n = "
+                f"{data.train_batch_size} / {batches} x {n}")
         out.append(
-            f"data.train_batch_size x {_ROLLOUT}.n = {data.train_batch_size} x {n} = {data.train_batch_size * n} "
-            f"responses per step must split over the rollout's data_parallel_size ({rollout_dp}): change "
-            f"train_batch_size or rollout.n so that their product is a multiple of {rollout_dp}"
+            f"{what} = {prompts * n} responses per generation batch must split over the rollout's "
+            f"data_parallel_size ({rollout_dp}): change train_batch_size{', require_batches' if batches > 1 else ''} "
+            f"or rollout.n so that this is a multiple of {rollout_dp}"
         )
     return out
 
@@ -991,10 +1014,10 @@ def _fully_async_problems(cfg: RecipeConfig) -> list[str]:
         return [f"async_training.{k}={getattr(a, k)} applies with async_training.mode=fully_async only, not "
                 f"{a.mode}; set that mode or drop the key" for k in changed]
     out = []
-    if a.require_batches != 1:
-        out.append(f"async_training.require_batches={a.require_batches}: several generation batches per step are "
-                   "not implemented yet (each step trains on one, data.train_batch_size prompts); set 1 and raise "
-                   "data.train_batch_size instead")
+    if cfg.data.train_batch_size % a.require_batches:
+        out.append(f"async_training.require_batches={a.require_batches}: the step's data.train_batch_size "
+                   f"({cfg.data.train_batch_size}) prompts are generated as require_batches equal batches; set it to "
+                   f"one of {_divisors(cfg.data.train_batch_size)}")
     return out
 
 

@@ -50,8 +50,15 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
     ([*ONE_STEP_OFF, "async_training.trigger_parameter_sync_step=1"], "trigger_parameter_sync_step=1 applies with "
                                                                      "async_training.mode=fully_async only, not "
                                                                      "one_step_off"),
-    ([*FULLY_ASYNC, "async_training.require_batches=2"], "require_batches=2: several generation batches per step "
-                                                        "are not implemented yet"),
+    ([*FULLY_ASYNC, "async_training.require_batches=3"], r"require_batches=3: the step's data.train_batch_size "
+                                                        r"\(16\) prompts .* set it to one of 1, 2, 4, 8, 16$"),
+    ([*FULLY_ASYNC, "async_training.require_batches=16", "actor_rollout_ref.rollout.n=1"],
+     r"require_batches x actor_rollout_ref.rollout.n = 16 / 16 x 1 = 1 responses per generation batch must split "
+     r"over the rollout's "
+     r"data_parallel_size \(2\)"),
+    ([*FULLY_ASYNC, "async_training.require_batches=0"], "require_batches=0: must be >= 1"),
+    ([*ONE_STEP_OFF, "async_training.require_batches=2"], "require_batches=2 applies with "
+                                                         "async_training.mode=fully_async only"),
     ([*ONE_STEP_OFF, "async_training.partial_rollout=true"], "async_training.partial_rollout=True applies with "
                                                             "async_training.mode=fully_async only, not one_step_off"),
     ([*FULLY_ASYNC, "async_training.staleness_threshold=-0.1"], "staleness_threshold=-0.1: must be >= 0"),
@@ -108,8 +115,9 @@ class _Pool:
     def __init__(self, finished):
         self.finished, self.sent, self.schedule = finished, [], None
 
-    def start(self, step):
-        self.sent.append((step, self.schedule.pushed))
+    def start(self, step, index):
+        """Records (generation batch number over the run, the engines' version)."""
+        self.sent.append(((step - 1) * self.schedule.per_step + index + 1, self.schedule.pushed))
         return PendingRollout([None], 1, refs=[0])  # refs[0]: its tokens so far
 
     def done(self, pending):
@@ -126,12 +134,14 @@ class _Pool:
         return _response(pending.refs[0] + 1, "stop")
 
 
-def _schedule(sync_every, max_staleness, steps, validated, finished, resumed=0, partial_rollout=False):
+def _schedule(sync_every, max_staleness, steps, validated, finished, resumed=0, partial_rollout=False, per_step=1,
+              ahead=None):
     """Run the schedule as the trainer does, from step ``resumed`` on; each step's metrics and the
-    pool's sends."""
+    pool's sends. ``ahead``: E, by default the K - (T - 1) of one generation batch per step."""
     pool = _Pool(finished)
-    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, max_staleness, step=resumed,
-                                             wait_timeout_s=60, partial_rollout=partial_rollout)
+    ahead = max_staleness - sync_every + 1 if ahead is None else ahead
+    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, ahead, step=resumed,
+                                             wait_timeout_s=60, partial_rollout=partial_rollout, per_step=per_step)
     metrics = []
     for step in range(resumed + 1, steps + 1):
         metrics.append(schedule.metrics(step, schedule.batch(step), step_seconds=1.0))
@@ -168,6 +178,47 @@ def test_each_batch_comes_from_the_first_pushed_version_that_keeps_it_within_the
         assert [step for step, _ in sent] == list(range(1, steps + 1))
         assert all(step - 1 - version <= max_staleness for step, version in sent)
     assert max(expected) == max_staleness or steps <= max_staleness
+
+
+@pytest.mark.parametrize("sync_every, per_step, staleness_threshold, validated", [
+    (1, 2, 0.0, ()), (1, 2, 0.5, ()), (2, 3, 0.5, (3,)), (4, 2, 0.1, ()), (4, 4, 0.1, (6,)), (2, 2, 1.0, ()),
+])
+def test_require_batches_each_generation_batch_comes_from_the_first_version_that_allows_it(
+        sync_every, per_step, staleness_threshold, validated):
+    """R generation batches per step: batch g (numbered over the run) is made under the first pushed
+    version p with g <= R (p + T) + E, E = floor(staleness_threshold x T x R); no step's tokens are
+    more than K = T - 1 + ceil(E / R) versions behind (as the config derives it), and each reaches
+    K somewhere; every batch is sent once, in order, whether the rollout keeps up or not."""
+    import random
+
+    cfg = load_config(TINY["gspo"], [*FULLY_ASYNC, f"async_training.trigger_parameter_sync_step={sync_every}",
+                             f"async_training.require_batches={per_step}", "data.train_batch_size=48",
+                             f"async_training.staleness_threshold={staleness_threshold}"]).async_training
+    ahead, bound = cfg.batches_ahead, cfg.max_staleness
+    assert (cfg.sync_every, cfg.generation_batches) == (sync_every, per_step)
+    steps = 12
+    pushes = sorted({0, *range(sync_every, steps + 1, sync_every), *validated})
+    made_by = {g: min(p for p in pushes if g <= per_step * (p + sync_every) + ahead)
+               for g in range(1, steps * per_step + 1)}
+    rng = random.Random(0)
+    for finished in (itertools.repeat(True), itertools.repeat(False), iter(lambda: rng.random() < 0.5, None)):
+        metrics, sent = _schedule(sync_every, bound, steps, validated, finished, per_step=per_step, ahead=ahead)
+        assert sent == list(made_by.items())
+        behind = [step - 1 - min(made_by[g] for g in range((step - 1) * per_step + 1, step * per_step + 1))
+                  for step in range(1, steps + 1)]
+        assert [m["async/staleness_max"] for m in metrics] == behind
+    assert max(behind) == bound
+
+
+def test_batches_the_bound_allows_are_all_sent_at_once():
+    """K = 3 (T = 4): while step 1 trains, batches 2-4 wait on the rollout ranks, not one at a time;
+    with partial rollout one is in flight (a pause stops only the generation running)."""
+    for partial_rollout, sent in ((False, [(1, 0), (2, 0), (3, 0), (4, 0)]), (True, [(1, 0), (2, 0)])):
+        pool = _Pool(itertools.repeat(False))
+        schedule = pool.schedule = AsyncSchedule(pool, pool.start, 8, 4, 0, step=0, wait_timeout_s=60,
+                                                 partial_rollout=partial_rollout)
+        schedule.batch(1)
+        assert pool.sent == sent
 
 
 def test_one_step_off_and_the_synchronous_bound_stalenesses():
@@ -271,28 +322,40 @@ def _after_step_one(trainer) -> tuple[dict, list, list]:
     return metrics, probe.response_ids, probe.log_probs
 
 
+@pytest.fixture(scope="module")
+def one_step_off_run(tmp_path_factory):
+    """Three one_step_off steps, with greedy responses probed after step 1 (``_after_step_one``):
+    (the three steps' metrics, the probe's tokens and log-probs, the model's fp32 bytes). Two tests
+    read it; the probe changes none of the later steps (per-request seeds, no push)."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    ray.shutdown()
+    trainer = _trainer(tmp_path_factory.mktemp("runs"), "one_step_off", ONE_STEP_OFF + ["trainer.total_training_steps=3"])
+    try:
+        assert trainer.rollout_workers.world_size == 2 and trainer.workers.world_size == 2
+        first, tokens, log_probs = _after_step_one(trainer)
+        metrics = [first, *(trainer.train_step(step) for step in (2, 3))]
+        model_bytes = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(trainer.model_dir).parameters())
+    finally:
+        trainer.close()
+        ray.shutdown()
+    return metrics, tokens, log_probs, model_bytes
+
+
 @pytest.mark.slow
-def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, fresh_ray):
+def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, fresh_ray, one_step_off_run):
     """Same seeds and initial weights: step 1 is the synchronous run's step 1 (its batch is made
     first, under the initial weights), and after its update the rollout pool's engines, in other
     processes, hold exactly the weights the colocated engines got in-process: the same greedy
     tokens and bit-equal log-probs. Steps 2 and 3 train on batches one version old."""
-    from transformers import AutoModelForCausalLM
-
     both = ["algorithm.rollout_correction.rollout_is=token"]  # the sync run with one_step_off's default
     sync = _trainer(tmp_path, "sync", both)
     try:
         expected, tokens, log_probs = _after_step_one(sync)
     finally:
         sync.close()
-    fresh_ray.shutdown()
-    trainer = _trainer(tmp_path, "one_step_off", ONE_STEP_OFF + ["trainer.total_training_steps=3"])
-    try:
-        assert trainer.rollout_workers.world_size == 2 and trainer.workers.world_size == 2
-        got, got_tokens, got_log_probs = _after_step_one(trainer)
-        later = [trainer.train_step(step) for step in (2, 3)]
-    finally:
-        trainer.close()
+    (got, *later), got_tokens, got_log_probs, model_bytes = one_step_off_run
     assert got_tokens == tokens and got_log_probs == log_probs
     # reshard/* describe the transport (rank 0 now takes the whole model), not the computation
     shared = sorted(k for k in expected if not k.startswith((*VOLATILE, "reshard/")))
@@ -300,7 +363,6 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
     assert any(k.startswith("rollout_corr/") for k in got)  # the correction ran (its values are VOLATILE)
     assert [m["async/staleness_mean"] for m in (got, *later)] == [0.0, 1.0, 1.0]
     assert [m["async/staleness_max"] for m in (got, *later)] == [0.0, 1.0, 1.0]
-    model_bytes = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(trainer.model_dir).parameters())
     for m in (got, *later):
         assert m["reshard/broadcast_bytes"] == model_bytes and m["reshard/broadcast_gb_per_s"] > 0
         assert m["timing_s/gen"] > 0 and m["timing_s/wait_rollout"] >= 0 and m["timing_s/reshard"] > 0
@@ -316,20 +378,18 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
 
 
 @pytest.mark.slow
-def test_fully_async_pushing_every_step_with_one_batch_ahead_is_one_step_off(tmp_path, fresh_ray):
+def test_fully_async_pushing_every_step_with_one_batch_ahead_is_one_step_off(tmp_path, fresh_ray, one_step_off_run):
     """trigger_parameter_sync_step=1 and staleness_threshold=1 (K = 0 + floor(1 x 1) = 1) is one_step_off's
     schedule: the same batches made under the same versions, so three steps log the same numbers."""
     one_batch_ahead = ["async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1"]
-    runs = {}
-    for name, overrides in (("one_step_off", ONE_STEP_OFF), ("fully_async", FULLY_ASYNC + one_batch_ahead)):
-        fresh_ray.shutdown()
-        trainer = _trainer(tmp_path, name, overrides + ["trainer.total_training_steps=3"])
-        try:
-            runs[name] = [trainer.train_step(step) for step in (1, 2, 3)]
-        finally:
-            trainer.close()
+    trainer = _trainer(tmp_path, "fully_async", FULLY_ASYNC + one_batch_ahead + ["trainer.total_training_steps=3"])
+    try:
+        fully_async = [trainer.train_step(step) for step in (1, 2, 3)]
+    finally:
+        trainer.close()
     timed = ("timing_s/", "perf/", "reshard/export_s", "reshard/broadcast_gb_per_s", "async/idle_ratio_")
-    off, fully = ([{k: v for k, v in m.items() if not k.startswith(timed)} for m in run] for run in runs.values())
+    off, fully = ([{k: v for k, v in m.items() if not k.startswith(timed)} for m in run]
+                  for run in (one_step_off_run[0], fully_async))
     assert fully == off
     assert [m["async/staleness_max"] for m in fully] == [0.0, 1.0, 1.0]
     assert [m["async/weight_pushes"] for m in fully] == [1.0, 1.0, 1.0]
@@ -381,6 +441,33 @@ def test_fully_async_holds_generation_back_to_the_staleness_bound(tmp_path, fres
     assert [("val/score/mean" in m, "reshard/broadcast_bytes" in m) for m in logged] == [
         (False, False), (False, True), (True, True), (True, True)]
     assert logged[0]["timing_s/wait_rollout"] >= 1.0  # batch 1, slowed, waited for in full
+
+
+@pytest.mark.slow
+def test_fully_async_require_batches_trains_each_step_on_two_generation_batches_half_a_step_ahead(tmp_path, fresh_ray):
+    """require_batches=2, T = 1, staleness_threshold=0.5: E = floor(0.5 x 1 x 2) = 1 generation batch
+    ahead, K = 0 + ceil(1 / 2) = 1. Step t trains on generation batches 2t-1 and 2t, joined: the
+    sampler's prompts of one step, in order, all rows; under v0 the engines may make batches 1-3, so
+    step 2 trains on batch 3 (v0, one behind) and batch 4 (v1, on-policy), and so on: every later
+    step's tokens are a mix, at most one version behind."""
+    run = [*FULLY_ASYNC, "async_training.require_batches=2", "async_training.trigger_parameter_sync_step=1",
+           "async_training.staleness_threshold=0.5", "trainer.total_training_steps=3"]
+    trainer = _trainer(tmp_path, "halves", run)
+    try:
+        assert trainer.sampler.batch_size == 8  # train_batch_size 16 in two generation batches
+        metrics = [trainer.train_step(step) for step in (1, 2, 3)]
+        s = trainer.sampler
+        fresh = BatchSampler(s.size, 16, shuffle=s.shuffle, seed=s.seed, drop_last=s.drop_last)
+        expected = [prompt_hash([trainer.train_data[i] for i in fresh.next_batch()]) for _ in range(3)]
+    finally:
+        trainer.close()
+    assert [m["data/prompt_hash"] for m in metrics] == expected
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert metrics[0]["async/staleness_mean"] == 0.0 and all(0.0 < m["async/staleness_mean"] < 1.0 for m in metrics[1:])
+    assert all(m["async/weight_pushes"] == 1.0 for m in metrics)
+    for m in metrics:  # every row of both halves trained: 16 prompts x rollout.n 8
+        rows = m["perf/total_num_tokens"] / (m["prompt_length/mean"] + m["response_length/mean"])
+        assert rows == pytest.approx(16 * 8)
 
 
 @pytest.mark.slow

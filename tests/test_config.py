@@ -217,7 +217,7 @@ def test_batch_arithmetic_errors_name_the_numbers():
     message = error(TINY, ["data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
                            "actor_rollout_ref.rollout.n=1"])
     assert "3 x 1 = 3 rows per optimizer step must split over the training DP" in message and "= 2 ranks" in message
-    assert "3 x 1 = 3 responses per step must split over the rollout's data_parallel_size (2)" in message
+    assert "3 x 1 = 3 responses per generation batch must split over the rollout's data_parallel_size (2)" in message
     message = error(TINY, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"])
     assert "128 / 2 = 64 rows" in message and "ppo_micro_batch_size_per_gpu (5)" in message
     assert "1, 2, 4, 8, 16, 32, 64" in message

@@ -5,16 +5,21 @@ K policy versions behind the policy that trains on it.
 Policy version v is the weights after v updates; step t trains on batch t with version t-1, so a
 batch made under version p is t - 1 - p versions stale. The engines hold the last pushed version
 p, and batch b may be generated under it only while b - 1 - p <= K; a batch past the bound is held
-back until the next push, never generated and dropped. Generation runs one batch at a time, in
-step order; the next is sent as soon as the last one is collected and the bound allows. Before a
-push the driver generates every batch the outgoing version may still make (waiting for them), so
-a batch is never made by two versions and batch b always comes from the first pushed version p
-with b <= p + K + 1, however fast generation runs.
+back until the next push, never generated and dropped. Batches are sent in step order as soon as
+the bound allows, several at once when it allows several (each rollout rank generates them one
+after another), and collected in that order. Before a push the driver collects every batch the
+outgoing version may still make (waiting for them), so a batch is never made by two versions and
+batch b always comes from the first pushed version p with b <= p + K + 1, however fast generation runs.
+
+With ``require_batches`` R > 1 a step's batch is R generation batches, numbered g = R (t - 1) + 1 ...
+R t over the run, joined when the step takes them; the bound counts them: g may be made under p
+while g <= R (p + T) + E, E = floor(``staleness_threshold`` x T x R) (with R = 1: b - 1 - p <= K).
 
 With partial rollout (``async_training.partial_rollout``) a push instead pauses the batch in flight
 (``recipe.rollout.partial``), loads the weights and lets the batch go on under them: its tokens
 carry the version that made each, and none is more than K behind (those made before the push were
-within the bound when the batch was sent, those after it are fresher).
+within the bound when the batch was sent, those after it are fresher). A pause stops only the
+generation running, so with partial rollout one batch is in flight at a time.
 
 ``one_step_off`` is T = 1, K = 1 (verl's one-step-off-policy recipe)::
 
@@ -22,7 +27,7 @@ within the bound when the batch was sent, those after it are fresher).
     step t:  take batch t (made during step t-1)     | send batch t+1 off     | train on t -> vt | wait for t+1, push vt
              (v_{t-2}: one version behind v_{t-1})   | (v_{t-1})
 
-``fully_async``: T = ``trigger_parameter_sync_step``, K = T - 1 + floor(``staleness_threshold`` x T)
+``fully_async``: T = ``trigger_parameter_sync_step``, K = T - 1 + ceil(E / R)
 (``recipe.config.AsyncTrainingConfig``). The actor recomputes the old log-probs of batch t under
 v_{t-1} (decoupled PPO: the policy that made the samples need not be the proximal one), and the
 rollout correction weighs the gap between them and the engine's log-probs (on by default in both
@@ -44,9 +49,9 @@ WAIT_KEY = "async_training.wait_rollout_timeout_s"
 
 @dataclass
 class _Generating:
-    """The batch in flight: its step, its generation, and what the pushes that paused it recorded."""
+    """A generation batch sent: its number, its generation, and what the pushes that paused it recorded."""
 
-    step: int
+    batch: int
     pending: PendingRollout
     token_versions: list[list[int]]  # per row, the versions of the tokens made before the last pause
     resumed: set[int] = field(default_factory=set)  # rows a pause stopped and the rollout continued
@@ -61,36 +66,40 @@ class _Generating:
 
 
 class AsyncSchedule:
-    def __init__(self, dispatch: Dispatch, start: Callable[[int], PendingRollout], total_steps: int,
-                 sync_every: int, max_staleness: int, step: int, wait_timeout_s: float,
-                 partial_rollout: bool = False):
-        """``start(s)`` sends step s's prompts (with its seeds) to the rollout pool; ``step`` is the
-        last completed step, whose weights the engines hold (a fresh run's 0, a resumed run's); a
-        batch not made within ``wait_timeout_s`` of the wait for it fails the run.
+    def __init__(self, dispatch: Dispatch, start: Callable[[int, int], PendingRollout], total_steps: int,
+                 sync_every: int, batches_ahead: int, step: int, wait_timeout_s: float,
+                 partial_rollout: bool = False, per_step: int = 1):
+        """``start(s, i)`` sends the ``i``-th of step s's ``per_step`` generation batches (its prompts, its
+        seeds) to the rollout pool; ``sync_every`` is T, ``batches_ahead`` E (``AsyncTrainingConfig``);
+        ``step`` is the last completed step, whose weights the engines hold (a fresh run's 0, a resumed
+        run's); a batch not made within ``wait_timeout_s`` of the wait for it fails the run.
         ``partial_rollout``: a push pauses the batch in flight and it goes on under the new weights."""
         self.dispatch, self.start, self.total_steps = dispatch, start, total_steps
         self.wait_timeout_s = wait_timeout_s
-        self.sync_every, self.max_staleness, self.partial_rollout = sync_every, max_staleness, partial_rollout
+        self.sync_every, self.batches_ahead, self.partial_rollout = sync_every, batches_ahead, partial_rollout
+        self.per_step = per_step
         self.pushed = step  # the policy version the engines hold
-        self.next_step = step + 1  # whose batch is sent next
-        self.in_flight: _Generating | None = None
-        self.made: dict[int, Rollout] = {}  # collected, not yet taken, by step
+        self.next_batch = step * per_step + 1  # the generation batch sent next, numbered from 1 over the run
+        self.in_flight: list[_Generating] = []  # sent, not collected, in the order sent
+        self.made: dict[int, Rollout] = {}  # collected, not yet taken, by generation batch
         self.waited = 0.0  # seconds the trainer waited for generations since the last metrics()
         self.generated = 0.0  # seconds the rollout ranks generated the batches collected since then
         self.pushes = 0  # weight pushes since the last metrics()
 
     def batch(self, step: int) -> Rollout:
-        """Step ``step``'s batch: made ahead, or generated now (the first step of a run or of a
-        resumed run, or a rollout slower than the trainer)."""
-        self._send_next()
-        while step not in self.made:  # batch ``step`` is within the bound: K >= T - 1
+        """Step ``step``'s batch, its generation batches joined: made ahead, or generated now (the first
+        step of a run or of a resumed run, or a rollout slower than the trainer)."""
+        self._send_allowed()
+        first = (step - 1) * self.per_step + 1
+        wanted = range(first, first + self.per_step)
+        while any(b not in self.made for b in wanted):  # within the bound: the last push is >= step - T
             self._advance()
-        return self.made.pop(step)
+        return Rollout.concat([self.made.pop(b) for b in wanted])
 
     def poll(self) -> None:
-        """Collect the generation in flight if it is done, and send the next one: the rollout need
-        not idle until the trainer next asks for a batch."""
-        if self.in_flight is not None and self.dispatch.done(self.in_flight.pending):
+        """Collect the generations done, in the order sent, and send what the bound allows: the rollout
+        need not idle until the trainer next asks for a batch."""
+        while self.in_flight and self.dispatch.done(self.in_flight[0].pending):
             self._advance()
 
     def push_due(self, step: int) -> bool:
@@ -100,25 +109,26 @@ class AsyncSchedule:
     def push(self, step: int, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Push step ``step``'s weights with ``sync()`` once the engines are idle; returns what ``sync``
         returned. Without partial rollout the engines first make every batch the outgoing version may
-        still make (each batch is sent as soon as the bound allows: with none in flight, the next is
-        past it); with it, the batch in flight is paused, and continued under the new weights."""
-        if self.partial_rollout and self.in_flight is not None:
+        still make (each is sent as soon as the bound allows); with it, the batch in flight (there is
+        at most one) is paused, and continued under the new weights."""
+        if self.partial_rollout and self.in_flight:
             self._pause()
         else:
-            while self.in_flight is not None:
+            while self.in_flight:
                 self._advance()
         result = sync()
         self.pushed = step
         self.pushes += 1
-        if self.in_flight is not None:  # paused above: its paused responses go on under the new weights
-            self.in_flight.pending = self.dispatch.resume(self.in_flight.pending)
+        for paused in self.in_flight:  # paused above: its paused responses go on under the new weights
+            paused.pending = self.dispatch.resume(paused.pending)
         return result
 
     def _pause(self) -> None:
         """Pause the batch in flight; its responses so far were made by the engines' version."""
-        pending = self.in_flight.pending
-        so_far, self.in_flight.pending = self._wait(lambda timeout_s: self.dispatch.pause(pending, timeout_s))
-        self.in_flight.record(so_far, self.pushed)
+        generating = self.in_flight[0]
+        pending = generating.pending
+        so_far, generating.pending = self._wait(lambda timeout_s: self.dispatch.pause(pending, timeout_s))
+        generating.record(so_far, self.pushed)
 
     def _wait(self, answers: Callable[[float], object]):
         """``answers(timeout_s)``: the rollout ranks' answers, waited for at most ``wait_timeout_s``
@@ -132,26 +142,32 @@ class AsyncSchedule:
         self.waited += time.perf_counter() - clock
         return result
 
-    def _send_next(self) -> None:
-        """Send the next batch unless one is in flight, the run has no more steps, or it would be more
-        than ``max_staleness`` versions behind the policy that trains on it (held back until a push)."""
-        step = self.next_step
-        if self.in_flight is not None or step > self.total_steps or step - 1 - self.pushed > self.max_staleness:
-            return
-        pending = self.start(step)
-        self.in_flight = _Generating(step, pending, [[] for _ in pending.rows])
-        self.next_step += 1
+    def _allowed(self, batch: int) -> bool:
+        """Generation batch ``batch`` may be made under the engines' version p: it is at most E batches
+        past those of the T steps that train on p's pushes (b <= R (p + T) + E), so its step is at most
+        K versions ahead of p, and it belongs to the run."""
+        return batch <= min(self.per_step * (self.pushed + self.sync_every) + self.batches_ahead,
+                            self.per_step * self.total_steps)
+
+    def _send_allowed(self) -> None:
+        """Send the next batches, in order, while the bound allows them (a batch past it is held back
+        until a push); with partial rollout one at a time, as a pause stops only the one generating."""
+        while self._allowed(self.next_batch) and not (self.partial_rollout and self.in_flight):
+            step, index = divmod(self.next_batch - 1, self.per_step)
+            pending = self.start(step + 1, index)
+            self.in_flight.append(_Generating(self.next_batch, pending, [[] for _ in pending.rows]))
+            self.next_batch += 1
 
     def _advance(self) -> None:
-        """Wait for the generation in flight, then send the next one."""
-        generating, self.in_flight = self.in_flight, None
+        """Wait for the first generation in flight, then send what the bound allows."""
+        generating = self.in_flight.pop(0)
         rollout = self._wait(lambda timeout_s: self.dispatch.collect(generating.pending, timeout_s))
         generating.record(rollout, self.pushed)
         rollout.gen_seconds, rollout.token_versions = generating.seconds, generating.token_versions
         rollout.resumed_rows = len(generating.resumed)
         self.generated += rollout.gen_seconds
-        self.made[generating.step] = rollout
-        self._send_next()
+        self.made[generating.batch] = rollout
+        self._send_allowed()
 
     def metrics(self, step: int, rollout: Rollout, step_seconds: float) -> dict[str, float]:
         """How stale the step's response tokens were (versions behind the policy that scored them:

@@ -41,6 +41,22 @@ class Rollout:
     token_versions: list[list[int]] | None = None
     resumed_rows: int = 0  # rows paused by a weight push and continued under the new weights
 
+    @classmethod
+    def concat(cls, parts: list[Rollout]) -> Rollout:
+        """Generations one after another as one: rows in order, prompt groups numbered on, the
+        generation seconds added (each rank generates them one after another)."""
+        if len(parts) == 1:
+            return parts[0]
+        offsets = torch.tensor([0, *(int(p.groups.max()) + 1 for p in parts[:-1])]).cumsum(0)
+
+        def joined(field: str) -> list | None:
+            values = [getattr(p, field) for p in parts]
+            return None if any(v is None for v in values) else [x for v in values for x in v]
+
+        return cls(joined("samples"), torch.cat([p.groups + o for p, o in zip(parts, offsets)]), joined("response_ids"),
+                   joined("log_probs"), joined("finish_reasons"), joined("routed_experts"),
+                   sum(p.gen_seconds for p in parts), joined("token_versions"), sum(p.resumed_rows for p in parts))
+
 
 @dataclass
 class PendingRollout:

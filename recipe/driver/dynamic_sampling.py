@@ -49,16 +49,17 @@ def _select_groups(batches: list[Batch], groups: list[int], n: int) -> Batch:
     """The given prompt groups (numbered across the generation ``batches``, ``n`` rows each) as one
     rollout and its rewards, groups renumbered in that order."""
     rows = [g * n + i for g in groups for i in range(n)]
+    whole = Rollout.concat([b[0] for b in batches])
+    rewards = [b[1] for b in batches]
 
-    def pick(values: list[list]) -> list:
-        flat = [v for part in values for v in part]
-        return [flat[r] for r in rows]
+    def pick(values: list | None) -> list | None:
+        return None if values is None else [values[r] for r in rows]
 
-    rollouts, rewards = [b[0] for b in batches], [b[1] for b in batches]
-    routed = None if any(r.routed_experts is None for r in rollouts) else pick([r.routed_experts for r in rollouts])
-    return (Rollout(pick([r.samples for r in rollouts]), torch.arange(len(groups)).repeat_interleave(n),
-                    pick([r.response_ids for r in rollouts]), pick([r.log_probs for r in rollouts]),
-                    pick([r.finish_reasons for r in rollouts]), routed),
-            RewardOutput(scores=pick([r.scores for r in rewards]), acc=pick([r.acc for r in rewards]),
-                         overlong_penalty=pick([r.overlong_penalty for r in rewards]),
-                         extra={k: pick([r.extra[k] for r in rewards]) for k in rewards[0].extra}))
+    def pick_rewards(field: str, key: str | None = None) -> list:
+        return pick([v for r in rewards for v in (getattr(r, field) if key is None else r.extra[key])])
+
+    return (Rollout(pick(whole.samples), torch.arange(len(groups)).repeat_interleave(n), pick(whole.response_ids),
+                    pick(whole.log_probs), pick(whole.finish_reasons), pick(whole.routed_experts)),
+            RewardOutput(scores=pick_rewards("scores"), acc=pick_rewards("acc"),
+                         overlong_penalty=pick_rewards("overlong_penalty"),
+                         extra={k: pick_rewards("extra", k) for k in rewards[0].extra}))

@@ -83,10 +83,10 @@ class Trainer:
                            filter_overlong_prompts=d.filter_overlong_prompts)
         self.train_data = PromptDataset(train_files, self.tokenizer, **data_kwargs)
         self.val_data = PromptDataset(val_files, self.tokenizer, **data_kwargs) if val_files else None
-        self.sampler = BatchSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
-                                    seed=d.seed)
+        self.sampler = BatchSampler(len(self.train_data), cfg.generation_batch_size, shuffle=d.shuffle, seed=d.seed)
         t = cfg.trainer
-        self.total_steps = run_length(t.total_training_steps, t.total_epochs, self.sampler.batches_per_epoch)
+        steps_per_epoch = self.sampler.batches_per_epoch // cfg.async_training.generation_batches
+        self.total_steps = run_length(t.total_training_steps, t.total_epochs, steps_per_epoch)
         self.cfg = cfg = with_warmup_from_ratio(cfg, self.total_steps)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = KLController(k.type, k.kl_coef, k.target_kl, k.horizon)
@@ -157,7 +157,8 @@ class Trainer:
             self.dispatch.connect_rollout()
             a = cfg.async_training
             self.ahead = AsyncSchedule(self.dispatch, self.start_generation, self.total_steps, a.sync_every,
-                                       a.max_staleness, self.step, a.wait_rollout_timeout_s, a.partial_rollout)
+                                       a.batches_ahead, self.step, a.wait_rollout_timeout_s, a.partial_rollout,
+                                       a.generation_batches)
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
         loggers = t.logger if on_terminal() or "console" in t.logger else [*t.logger, "console"]
         self.tracking = Tracking(str(self.dir), loggers, t.project_name, t.experiment_name, config_to_dict(cfg),
@@ -271,7 +272,7 @@ class Trainer:
         cfg = self.cfg
 
         def generate(index: int) -> tuple[Rollout, RewardOutput]:
-            if self.ahead is not None:  # made ahead (one generation batch per step)
+            if self.ahead is not None:  # made ahead: the step's generation batches, joined
                 rollout = self.ahead.batch(step)
             else:
                 rollout = self.dispatch.collect(self.start_generation(step, index))
