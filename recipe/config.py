@@ -926,8 +926,12 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
     if groups.enable and groups.metric is None:
         out.append(f"algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric: one of {', '.join(FILTER_METRICS)}")
     if data.gen_batch_size is not None and not groups.enable and data.gen_batch_size != data.train_batch_size:
+        streamed = ("" if cfg.async_training.mode != "fully_async" else
+                    "; in fully_async the rollout pool generates batches of data.train_batch_size / "
+                    "async_training.require_batches prompts (require_batches = train_batch_size: one prompt's "
+                    "responses at a time), not single prompts as verl's rollouter streams them: drop the key")
         out.append(f"data.gen_batch_size ({data.gen_batch_size}) differs from data.train_batch_size "
-                   f"({data.train_batch_size}): it only applies with algorithm.filter_groups.enable=true")
+                   f"({data.train_batch_size}): it only applies with algorithm.filter_groups.enable=true{streamed}")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         out.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint directory)")
     if trainer.resume_mode != "resume_path" and trainer.resume_from_path:

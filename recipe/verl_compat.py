@@ -19,6 +19,9 @@ Every rule names a key (or a key prefix ending in ``.``) under its full dotted p
 - ``FSDP_ONLY``: verl's FSDP backend's keys: refused, naming the Megatron equivalent.
 - ``model.enable_gradient_checkpointing=true`` turns on full recompute of every layer where the
   layout sets no recompute (verl reads it only in its FSDP engine; there it recomputes every layer).
+- ``data.train_batch_size=0`` with ``async_training.mode=fully_async``, as verl's fully-async scripts
+  write it (its trainer takes ``require_batches`` x ``ppo_mini_batch_size`` prompts a step), is that
+  product here.
 """
 
 from __future__ import annotations
@@ -277,7 +280,19 @@ def translate(config: Mapping) -> Translation:
         elif (entry := _matches(UNSUPPORTED, key)) is not None:
             _pop(out.data, key)
             out.errors.append(f"{key} is not supported: {UNSUPPORTED[entry]}")
+    _fully_async_batch(out.data)
     return out
+
+
+def _fully_async_batch(data: dict) -> None:
+    """verl's fully-async ``data.train_batch_size=0``: the step's batch is ``require_batches`` (1 if
+    not given) x ``ppo_mini_batch_size`` prompts. Left as it is (and refused as not >= 1) without a
+    mini-batch size to multiply."""
+    batches = get_dotted(data, "async_training.require_batches")
+    mini = get_dotted(data, f"{ACTOR}.ppo_mini_batch_size")
+    if (get_dotted(data, "async_training.mode") == "fully_async" and get_dotted(data, "data.train_batch_size") == 0
+            and type(mini) is int and type(batches) in (int, type(MISSING))):
+        _set(data, "data.train_batch_size", (1 if batches is MISSING else batches) * mini)
 
 
 def check_equal(checks: list[tuple[str, Any, str, str]], plain: Mapping) -> list[str]:

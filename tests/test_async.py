@@ -57,6 +57,9 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
      r"over the rollout's "
      r"data_parallel_size \(2\)"),
     ([*FULLY_ASYNC, "async_training.require_batches=0"], "require_batches=0: must be >= 1"),
+    ([*FULLY_ASYNC, "data.gen_batch_size=1"], "generates batches of data.train_batch_size / "
+                                             "async_training.require_batches prompts .* drop the key$"),
+    (["data.train_batch_size=0"], "data.train_batch_size=0: must be >= 1"),  # verl's fully-async 0 needs that mode
     ([*ONE_STEP_OFF, "async_training.require_batches=2"], "require_batches=2 applies with "
                                                          "async_training.mode=fully_async only"),
     ([*ONE_STEP_OFF, "async_training.partial_rollout=true"], "async_training.partial_rollout=True applies with "
@@ -70,6 +73,16 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
 def test_async_config_is_checked(overrides, says):
     with pytest.raises(ConfigError, match=says):
         load_config(TINY["gspo"], overrides)
+
+
+def test_verls_fully_async_batch_of_zero_is_require_batches_mini_batches():
+    """verl's fully-async scripts set data.train_batch_size=0: its trainer takes require_batches x
+    ppo_mini_batch_size prompts a step."""
+    cfg = load_config(TINY["gspo"], [*FULLY_ASYNC, "data.train_batch_size=0", "async_training.require_batches=2",
+                                     "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
+    assert (cfg.data.train_batch_size, cfg.generation_batch_size) == (16, 8)
+    cfg = load_config(TINY["gspo"], [*FULLY_ASYNC, "data.train_batch_size=0"])  # the recipe's mini-batch: 16
+    assert (cfg.data.train_batch_size, cfg.generation_batch_size) == (16, 16)
 
 
 def test_asynchronous_modes_config():
