@@ -289,10 +289,11 @@ def _fully_async_batch(data: dict) -> None:
     not given) x ``ppo_mini_batch_size`` prompts. Left as it is (and refused as not >= 1) without a
     mini-batch size to multiply."""
     batches = get_dotted(data, "async_training.require_batches")
+    batches = 1 if batches is MISSING else batches
     mini = get_dotted(data, f"{ACTOR}.ppo_mini_batch_size")
     if (get_dotted(data, "async_training.mode") == "fully_async" and get_dotted(data, "data.train_batch_size") == 0
-            and type(mini) is int and type(batches) in (int, type(MISSING))):
-        _set(data, "data.train_batch_size", (1 if batches is MISSING else batches) * mini)
+            and type(mini) is int and type(batches) is int):
+        _set(data, "data.train_batch_size", batches * mini)
 
 
 def check_equal(checks: list[tuple[str, Any, str, str]], plain: Mapping) -> list[str]:

@@ -55,11 +55,11 @@ def _select_groups(batches: list[Batch], groups: list[int], n: int) -> Batch:
     def pick(values: list | None) -> list | None:
         return None if values is None else [values[r] for r in rows]
 
-    def pick_rewards(field: str, key: str | None = None) -> list:
-        return pick([v for r in rewards for v in (getattr(r, field) if key is None else r.extra[key])])
+    def pick_joined(parts: list[list]) -> list:
+        return pick([v for part in parts for v in part])
 
     return (Rollout(pick(whole.samples), torch.arange(len(groups)).repeat_interleave(n), pick(whole.response_ids),
                     pick(whole.log_probs), pick(whole.finish_reasons), pick(whole.routed_experts)),
-            RewardOutput(scores=pick_rewards("scores"), acc=pick_rewards("acc"),
-                         overlong_penalty=pick_rewards("overlong_penalty"),
-                         extra={k: pick_rewards("extra", k) for k in rewards[0].extra}))
+            RewardOutput(scores=pick_joined([r.scores for r in rewards]), acc=pick_joined([r.acc for r in rewards]),
+                         overlong_penalty=pick_joined([r.overlong_penalty for r in rewards]),
+                         extra={k: pick_joined([r.extra[k] for r in rewards]) for k in rewards[0].extra}))
