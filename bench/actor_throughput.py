@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Throughput of the megatron actor on CPU gloo ranks, per parallel layout.
+"""Throughput of the megatron actor per parallel layout, on CPU gloo ranks or on accelerators.
 
     python bench/actor_throughput.py                                  # every layout, print tables
     python bench/actor_throughput.py --layouts single ep2 --steps 3
     python bench/actor_throughput.py --out docs/bench_actor.md        # also write the doc
     python bench/actor_throughput.py --lengths long-tail --max-tokens 512 --layouts single dp2 \
         --out docs/bench_dynamic_batch.md                             # micro-batches by rows vs by tokens
+    python bench/actor_throughput.py --platform cuda --dtype bf16 --model mid --layouts single   # one GPU
 
-For the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, saved with transformers into a
-temporary directory) and each layout, this measures on one synthetic RL batch:
+For the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``) or the mid-size one (``--model mid``,
+``bench/common.py MID_SIZE``), saved with transformers into a temporary directory, and each layout,
+this measures on one synthetic RL batch:
 
 - the log-prob pass (``MegatronActor.forward_only`` with ``log_prob_func``), which also supplies
   the batch's ``old_log_probs``, and
@@ -29,7 +31,10 @@ Every layout runs in fresh processes (megatron's parallel state is global), star
 ``torch.multiprocessing.spawn``, one gloo rank each. Each rank gets ``cores // ranks`` intra-op
 threads (at least 1; ``single-1t`` pins one), so 4-rank layouts on a 2-core machine are 2x
 oversubscribed. CPU numbers are for comparing layouts and catching regressions, not for predicting
-NPU/GPU throughput.
+NPU/GPU throughput. With ``--platform cuda`` each rank has a GPU of its own (nccl); the timers then
+wait for the device's queued work at every phase boundary and around every collective, which
+costs a little throughput and makes the phase shares mean what they say; the peak device memory
+(``torch.cuda.max_memory_allocated``) is reported beside the host's.
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 
 import torch  # noqa: E402
 
-from bench.common import check_out, cpu_cores, machine_facts, run_ranks, write_doc  # noqa: E402
+from bench.common import (  # noqa: E402
+    MODELS, check_out, command_line, cpu_cores, machine_facts, publish, run_ranks, save_model, synchronize,
+)
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/actor_throughput.py"
@@ -167,10 +174,12 @@ class PhaseTimers:
         self.calls = 0
 
     def start(self, name: str) -> None:
+        synchronize()
         self._started[name] = time.perf_counter()
         self._open.append(name)
 
     def stop(self, name: str) -> None:
+        synchronize()
         self.wall[name] += time.perf_counter() - self._started.pop(name)
         self._open.remove(name)  # phases nest, so a name is open at most once
 
@@ -201,10 +210,12 @@ def time_collectives(timers: PhaseTimers) -> None:
 
     def timed(fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
+            synchronize()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                synchronize()
                 timers.add_comm(time.perf_counter() - start)
 
         return wrapper
@@ -230,6 +241,7 @@ def _timed_call(fn: Callable[[], Any], timers: PhaseTimers) -> tuple[float, Any,
     timers.reset()
     start = time.perf_counter()
     result = fn()
+    synchronize()
     elapsed = time.perf_counter() - start
     phases = breakdown(elapsed, timers.wall, timers.comm) | {CALLS: float(timers.calls)}
     torch.distributed.barrier()
@@ -268,15 +280,18 @@ def _torch_profile(fn: Callable[[], Any], path: Path, rows: int = 15) -> None:
     path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
-def build_actor(train: TrainParallel, checkpoint: str):
-    """This rank's fp32 actor with the checkpoint loaded (parallel state must be initialised)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_actor(train: TrainParallel, checkpoint: str, dtype: str, platform_name: str):
+    """This rank's actor with the checkpoint loaded (parallel state must be initialised)."""
     from megatron_bridge.runtime.actor import MegatronActor
     from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.plan.model_spec import load_model_spec
 
-    actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=torch.float32), OptimConfig(),
-                          "cpu")
+    actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=DTYPES[dtype]), OptimConfig(),
+                          platform_name)
     actor.load_hf(checkpoint)
     return actor
 
@@ -295,16 +310,17 @@ def dp_share(batch: dict[str, torch.Tensor], by_length: bool) -> dict[str, torch
 
 
 def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int,
-            profile_dir: str | None) -> dict[str, Any]:
-    """This rank's numbers for one layout (torch.distributed and the CPU platform are up): per
+            profile_dir: str | None, dtype: str) -> dict[str, Any]:
+    """This rank's numbers for one layout (torch.distributed and the platform are up): per
     measured step the log-prob pass, whose log-probs become ``old_log_probs``, then a train step;
     micro-batches by rows, or by the token budget ``max_tokens``."""
     from loss.gspo import PAPER_SETTINGS
     from loss.megatron_hook import ActorLossConfig, log_prob_func, policy_loss_func
     from megatron_bridge.runtime.actor import initialize_parallel
+    from megatron_bridge.runtime.platform import active
 
     initialize_parallel(LAYOUTS[layout].train)
-    actor = build_actor(LAYOUTS[layout].train, checkpoint)
+    actor = build_actor(LAYOUTS[layout].train, checkpoint, dtype, active().name)
     loaded = peak_rss_mib()  # model, grad buffers and optimizer built; Adam's moments come with step 1
     timers = PhaseTimers()
     actor.config.timers = timers
@@ -335,19 +351,21 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_toke
         out["skipped"] += int(metrics["actor/skipped"])
         _add(out["log_prob_phases"], lp_phases)
         _add(out["train_phases"], tr_phases)
-    out.update(loaded_rss_mib=loaded, peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads())
+    out.update(loaded_rss_mib=loaded, peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads(),
+               peak_device_mib=torch.cuda.max_memory_allocated() / 2**20 if actor.device.type == "cuda" else None)
     if profile_dir:  # after the memory reading: the profiler's own records would count in it
         _torch_profile(update, Path(profile_dir, f"{layout}{'_tokens' if max_tokens else ''}_rank{rank}.txt"))
     return out
 
 
 def run_layout(layout: str, checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int,
-               threads: int | None, profile_dir: str | None) -> dict[str, Any]:
+               threads: int | None, profile_dir: str | None, platform: str, dtype: str) -> dict[str, Any]:
     """Spawn the layout's ranks and summarise what they measured."""
     world = LAYOUTS[layout].ranks
     per_rank = threads or LAYOUTS[layout].threads or max(1, cpu_cores() // world)
     start = time.perf_counter()
-    ranks = run_ranks(measure, world, per_rank, layout, checkpoint, shape, max_tokens, steps, profile_dir)
+    ranks = run_ranks(measure, world, per_rank, layout, checkpoint, shape, max_tokens, steps, profile_dir, dtype,
+                      platform=platform)
     return summarise(layout, max_tokens, ranks, time.perf_counter() - start)
 
 
@@ -380,6 +398,7 @@ def summarise(layout: str, max_tokens: int | None, ranks: list[dict], wall_s: fl
         "log_prob_tok_s": ranks[0]["tokens"] / log_prob_s,
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
         "rss_growth_mib": max(r["peak_rss_mib"] - r["loaded_rss_mib"] for r in ranks),
+        "peak_device_mib": max(r["peak_device_mib"] for r in ranks) if ranks[0]["peak_device_mib"] else None,
         "skipped": sum(r["skipped"] for r in ranks),
         "train_phases": shares("train_phases"),
         "log_prob_phases": shares("log_prob_phases"),
@@ -411,10 +430,12 @@ def micro_batching(result: dict, micro_batch: int) -> str:
 
 
 def throughput_table(results: list[dict], micro_batch: int) -> str:
+    device = results[0]["peak_device_mib"] is not None
     lines = [
         "| layout | parallelism | ranks x threads | micro-batches | padding | train step tok/s | log-prob pass tok/s "
-        "| train step s | log-prob s | peak RSS / rank (MiB) | growth in steps / rank (MiB) |",
-        "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| train step s | log-prob s | peak RSS / rank (MiB) | growth in steps / rank (MiB) |"
+        + (" peak device memory / rank (MiB) |" if device else ""),
+        "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if device else ""),
     ]
     for r in results:
         lines.append(
@@ -422,6 +443,7 @@ def throughput_table(results: list[dict], micro_batch: int) -> str:
             f"| {micro_batching(r, micro_batch)} | {1 - r['tokens'] / r['computed_tokens']:.0%} "
             f"| {r['train_tok_s']:,.0f} | {r['log_prob_tok_s']:,.0f} | {r['train_s']:.3f} | {r['log_prob_s']:.3f} "
             f"| {r['peak_rss_mib']:,.0f} | {r['rss_growth_mib']:,.0f} |"
+            + (f" {r['peak_device_mib']:,.0f} |" if device else "")
         )
     return "\n".join(lines)
 
@@ -448,12 +470,14 @@ def threads_policy(threads: int | None, layouts: list[BenchLayout]) -> str:
 
 
 def report(results: list[dict], command: str, shape: BatchShape, steps: int, threads_note: str,
-           load_before: float) -> str:
+           load_before: float, args: argparse.Namespace) -> str:
+    model = "tiny Qwen3-MoE" if args.model == "tiny" else "mid-size Qwen3-MoE (bench/common.py MID_SIZE)"
     return "\n".join([
         f"Command: `{command}`",
         "",
-        *machine_facts(threads_note, load_before),
-        f"- batch: {shape.describe()}, {results[0]['tokens']:,} valid tokens per step; fp32; "
+        *machine_facts(threads_note, load_before, args.platform),
+        f"- model: {model}, {args.dtype} parameters (megatron's local layer spec, no fused kernels)",
+        f"- batch: {shape.describe()}, {results[0]['tokens']:,} valid tokens per step; "
         f"GSPO loss defaults; median of {steps} steps after 1 warm-up",
         "- padding: the share of the tokens the model replicas compute (micro-batch rows x padded length, "
         "summed over DP ranks) that are padding",
@@ -474,7 +498,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python bench/actor_throughput.py",
         description="Tokens/s of the megatron actor's GSPO train step and log-prob pass, peak memory and a "
-        "phase profile, for the tiny Qwen3-MoE on CPU gloo ranks under several parallel layouts.",
+        "phase profile, for the tiny (or mid-size) Qwen3-MoE on CPU gloo ranks or accelerators under several "
+        "parallel layouts.",
         epilog="layouts: " + "; ".join(f"{name} = {describe_layout(name)} on {LAYOUTS[name].ranks} rank(s)" for name in LAYOUTS),
     )
     p.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS), metavar="LAYOUT",
@@ -491,7 +516,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(dynamic batch size)")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank (default: usable cores // ranks, at least 1)")
-    p.add_argument("--checkpoint", default=None, help="HF directory of the tiny model (default: write one to a temp dir)")
+    p.add_argument("--platform", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo ranks (default); cuda: one GPU per rank, nccl")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="parameter dtype (default fp32)")
+    p.add_argument("--model", choices=MODELS, default="tiny",
+                   help="tiny (default) or mid (0.70 B parameters, bench/common.py MID_SIZE)")
+    p.add_argument("--checkpoint", default=None,
+                   help="HF directory of the model (default: write --model's random weights to a temp dir)")
     p.add_argument("--torch-profile", metavar="DIR", default=None,
                    help="also run one extra train step under torch.profiler and write each rank's top ops to DIR")
     p.add_argument("--out", type=Path, default=None,
@@ -505,6 +536,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-tokens {args.max_tokens} must hold the longest sequence, --prompt + --response = "
                 f"{args.prompt + args.response}")
     check_out(p, args.out, SCRIPT)
+    if args.platform == "cuda":
+        devices = torch.cuda.device_count()
+        too_wide = [name for name in args.layouts if LAYOUTS[name].ranks > devices]
+        if too_wide:
+            p.error(f"--platform cuda: layouts {', '.join(too_wide)} need more ranks than the {devices} visible GPU(s); "
+                    "choose layouts that fit, e.g. --layouts single")
     if args.checkpoint and not Path(args.checkpoint, "config.json").is_file():
         p.error(f"--checkpoint {args.checkpoint}: no config.json there (expected a HF model directory)")
     for name in args.layouts:
@@ -530,30 +567,22 @@ def main(argv: list[str] | None = None) -> int:
               "the numbers", file=sys.stderr)
     results = []
     with tempfile.TemporaryDirectory(prefix="tiny_qwen3_moe_") as tmp:
-        if args.checkpoint:
-            checkpoint = args.checkpoint
-        else:
-            from megatron_bridge.tiny_model import save_tiny_checkpoint
-
-            checkpoint = str(save_tiny_checkpoint(tmp))
+        checkpoint = args.checkpoint or save_model(tmp, args.model)
         for layout in args.layouts:
             for max_tokens in [None] + ([args.max_tokens] if args.max_tokens else []):
                 name = label({"layout": layout, "max_tokens": max_tokens})
                 print(f"[{name}] {describe_layout(layout)} on {LAYOUTS[layout].ranks} rank(s) ...", file=sys.stderr,
                       flush=True)
-                result = run_layout(layout, checkpoint, shape, max_tokens, args.steps, args.threads, args.torch_profile)
+                result = run_layout(layout, checkpoint, shape, max_tokens, args.steps, args.threads, args.torch_profile,
+                                    args.platform, args.dtype)
                 print(f"[{name}] {result['train_tok_s']:,.0f} train tok/s, {result['log_prob_tok_s']:,.0f} log-prob "
                       f"tok/s ({result['job_wall_s']:.0f} s with start-up)", file=sys.stderr, flush=True)
                 if result["skipped"]:
                     print(f"[{name}] warning: {result['skipped']} rank-steps were skipped (non-finite)", file=sys.stderr)
                 results.append(result)
     threads_note = threads_policy(args.threads, [LAYOUTS[name] for name in args.layouts])
-    command = "python bench/actor_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    body = report(results, command.strip(), shape, args.steps, threads_note, load_before)
-    print(body)
-    if args.out:
-        write_doc(args.out, body, SCRIPT, "Actor throughput on CPU")
-        print(f"wrote {args.out}", file=sys.stderr)
+    body = report(results, command_line(SCRIPT, argv), shape, args.steps, threads_note, load_before, args)
+    publish(body, args.out, SCRIPT, "Actor throughput")
     return 0
 
 

@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 import torch  # noqa: E402
 
 from bench.actor_throughput import BatchShape, build_actor, dp_share, make_batch  # noqa: E402
-from bench.common import check_out, cpu_cores, machine_facts, run_ranks, write_doc  # noqa: E402
+from bench.common import check_out, command_line, cpu_cores, machine_facts, publish, run_ranks  # noqa: E402
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/checkpoint_io.py"
@@ -410,13 +410,9 @@ def main(argv: list[str] | None = None) -> int:
               "the numbers", file=sys.stderr)
     start = time.perf_counter()
     results = [run_size(size, args.ranks, args.repeats) for size in args.sizes]
-    command = "python bench/checkpoint_io.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    body = report(results, command.strip(), args.repeats, load_before, args.ranks)
-    print(body)
+    body = report(results, command_line(SCRIPT, argv), args.repeats, load_before, args.ranks)
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    if args.out:
-        write_doc(args.out, body, SCRIPT, "Checkpoint save, load and export on CPU")
-        print(f"wrote {args.out}", file=sys.stderr)
+    publish(body, args.out, SCRIPT, "Checkpoint save, load and export on CPU")
     return 0
 
 

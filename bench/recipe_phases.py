@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_facts, write_doc  # noqa: E402
+from bench.common import machine_facts, publish  # noqa: E402
 
 SCRIPT = "bench/recipe_phases.py"
 PHASES = ("gen", "old_log_prob", "ref", "update_actor", "reshard", "step")
@@ -91,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
     history, cfg = run(args)
-    body = report(history, cfg, args, load_before)
-    print(body)
-    if args.out:
-        write_doc(args.out, body, SCRIPT, "The tiny CPU recipe, phase by phase")
+    publish(report(history, cfg, args, load_before), args.out, SCRIPT, "The tiny CPU recipe, phase by phase")
     return 0
 
 

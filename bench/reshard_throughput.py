@@ -44,17 +44,10 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 
 import torch  # noqa: E402
 
-from bench.common import check_out, cpu_cores, machine_facts, run_ranks, write_doc  # noqa: E402
+from bench.common import MID_SIZE, check_out, cpu_cores, machine_facts, publish, run_ranks  # noqa: E402
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/reshard_throughput.py"
-MID_SIZE = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=1024, num_hidden_layers=8,
-    num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
-    moe_intermediate_size=384, intermediate_size=3072, vocab_size=32768, max_position_embeddings=4096,
-    rope_theta=1e6, rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False, router_aux_loss_coef=0.0,
-    bos_token_id=1, eos_token_id=2,
-)
 LAYOUTS = {
     "ep2": TrainParallel(ep=2, etp=1),  # experts 0-31 on rank 0, 32-63 on rank 1; dense replicated
     "tp2": TrainParallel(tp=2, sequence_parallel=True),  # every tensor but the norms split in two (ETP2)
@@ -237,7 +230,7 @@ def report(rows: list[dict], command: str, repeats: int, load_before: float) -> 
         f"Command: `{command}`",
         "",
         *machine_facts(f"torch.set_num_threads(max(1, {cpu_cores()} cores // {RANKS} ranks)) per rank", load_before),
-        f"- model: mid-size Qwen3-MoE (bench/reshard_throughput.py MID_SIZE), bf16, {params / 1e9:.2f} GB; "
+        f"- model: mid-size Qwen3-MoE (bench/common.py MID_SIZE), bf16, {params / 1e9:.2f} GB; "
         f"median of {repeats} syncs per case",
         "",
         table(rows),
@@ -326,10 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"layout {layout} ...", file=sys.stderr, flush=True)
             rows += run_layout(layout, config_dir, args.buckets, args.repeats)
     command = "python " + " ".join([SCRIPT, *(argv if argv is not None else sys.argv[1:])])
-    body = report(rows, command, args.repeats, load_before)
-    print(body)
-    if args.out:
-        write_doc(args.out, body, SCRIPT, "Weight sync throughput on CPU")
+    publish(report(rows, command, args.repeats, load_before), args.out, SCRIPT, "Weight sync throughput on CPU")
     return 0
 
 

@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--platform", choices=("npu", "cuda", "cpu"), default=None, help="default: detected")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: fp32 on cpu, else bf16)")
     p.add_argument("--tol", type=float, default=None,
-                   help=f"max |delta log-prob| allowed (default: {DEFAULT_TOLERANCE['fp32']} fp32, {DEFAULT_TOLERANCE['bf16']} bf16)")
+                   help="max |delta log-prob| allowed on the tokens whose experts match transformers' in every layer "
+                        f"(default: {DEFAULT_TOLERANCE['fp32']} fp32, {DEFAULT_TOLERANCE['bf16']} bf16)")
     p.add_argument("--routing-tol", type=float, default=None,
                    help="max share of expert slots whose expert differs from transformers' top-k (default: "
                         f"{DEFAULT_ROUTING_TOLERANCE['fp32']} fp32, {DEFAULT_ROUTING_TOLERANCE['bf16']} bf16)")
@@ -115,19 +116,22 @@ def reference(hf_dir: str, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1), routing
 
 
-def sharded_log_probs(actor, input_ids: torch.Tensor, micro_batch_size: int = 1):
-    """Log-probs [B, S-1] of the sharded model, and this rank's ``RoutingRecord`` of the pass."""
+def whole_sequence_batch(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every token after the first scored: a one-token prompt and the rest as the response."""
+    rows, length = input_ids.shape
+    return {"input_ids": input_ids, "prompt_lengths": torch.ones(rows, dtype=torch.long),
+            "response_mask": torch.ones(rows, length - 1)}
+
+
+def sharded_log_probs(actor, batch: dict[str, torch.Tensor], micro_batch_size: int = 1):
+    """Log-probs [B, R] of the batch's responses under the sharded model, and this rank's
+    ``RoutingRecord`` of the pass."""
     from functools import partial
 
     from loss.megatron_hook import log_prob_func
     from megatron_bridge.moe.routing import RoutingTap
 
-    rows, length = input_ids.shape
-    batch = {
-        "input_ids": input_ids,
-        "prompt_lengths": torch.ones(rows, dtype=torch.long),
-        "response_mask": torch.ones(rows, length - 1),
-    }
+    rows, length = batch["input_ids"].shape
     tap = RoutingTap(actor.chunks, actor.spec.moe_topk, actor.train.sequence_parallel)
     actor.forward_context = tap.micro_batch
     with tap.recording(rows, length, capture=True, replay=False, training=False) as out:
@@ -151,7 +155,7 @@ def round_trip(chunks, spec, hf_dir: str, dtype: torch.dtype) -> tuple[list[str]
     with HFCheckpoint(hf_dir) as ckpt:
         for name, tensor in exporter.stream():
             seen.append(name)
-            expected = ckpt.read(name).to(dtype)
+            expected = ckpt.read(name).to(device=tensor.device, dtype=dtype)  # the stream's tensors stay on the device
             if tensor.shape != expected.shape or tensor.dtype != expected.dtype or not torch.equal(tensor, expected):
                 differ.append(name)
     return seen, differ, exporter.stats.bytes_yielded
@@ -177,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
     """The checks on this rank (torch.distributed must be initialised); rank 0's report."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.moe.table import merge_records, routing_change
+    from megatron_bridge.moe.table import changed_slots, merge_records, routing_change
     from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.runtime.platform import active
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     input_ids = random_batch(spec, args, dp_size)
     mine = input_ids[dp_rank * args.batch : (dp_rank + 1) * args.batch]
-    log_probs, routing = sharded_log_probs(actor, mine)
+    log_probs, routing = sharded_log_probs(actor, whole_sequence_batch(mine))
     trip = round_trip(actor.chunks, spec, args.hf_dir, DTYPES[dtype])
 
     # Every DP replica's log-probs and routing, and every rank's bytes read and held, to rank 0.
@@ -222,15 +226,22 @@ def run(args: argparse.Namespace) -> dict:
         merged = merge_records([g[6] for g in gathered], rows_of, [g[7] for g in gathered], args.seq_len,
                                spec.num_layers, spec.moe_topk).routing
         routes = routing_change(ref_routing, merged, torch.ones(input_ids.shape, dtype=torch.bool), "routing")
+        # The log-prob of token t+1 is read at position t: where the experts there differ in some
+        # layer (bf16 near-ties), the two models compute different functions, not a rounding apart.
+        alike = (changed_slots(ref_routing.long(), merged.long()) == 0).all(-1)[:, :-1]
+        delta_alike = delta[alike]
         received = {name for g in gathered for name in g[5][0]}
         expected = hub_names(args.hf_dir)
         differ = sorted({name for g in gathered for name in g[5][1]})
         missing, extra = sorted(expected - received), sorted(received - expected)
         trip_ok = not (differ or missing or extra)
         routing_ok = routes["routing/slot_frac"] <= routing_tol and routes["routing/tokens"] == input_ids.numel()
-        ok = bool(delta.max() <= tol) and not disagree and trip_ok and routing_ok
+        delta_ok = bool(delta_alike.numel() and delta_alike.max() <= tol)
+        ok = delta_ok and not disagree and trip_ok and routing_ok
         report.update(
-            max_abs_delta_log_prob=float(delta.max()),
+            max_abs_delta_log_prob=float(delta_alike.max()) if delta_alike.numel() else float("nan"),
+            tokens_routed_alike=delta_alike.numel(),
+            max_abs_delta_log_prob_all_tokens=float(delta.max()),
             max_abs_log_prob=float(ref_log_probs.abs().max()),
             mean_abs_delta_log_prob=float(delta.mean()),
             tokens=delta.numel(),
@@ -260,8 +271,10 @@ def _print(report: dict, as_json: bool) -> None:
           f"ETP{layout['etp'] or layout['tp']} on {layout['world_size']} ranks, {layout['dtype']}")
     print(f"checkpoint bytes read per rank: {report['bytes_read_per_rank']}")
     print(f"parameter bytes held per rank:  {report['parameter_bytes_per_rank']}")
-    print(f"max |delta log-prob| vs transformers: {report['max_abs_delta_log_prob']:.3e} "
-          f"(mean {report['mean_abs_delta_log_prob']:.3e}, {report['tokens']} tokens, tolerance {report['tolerance']:g})")
+    print(f"max |delta log-prob| vs transformers: {report['max_abs_delta_log_prob']:.3e} over the "
+          f"{report['tokens_routed_alike']} of {report['tokens']} tokens routed alike in every layer (tolerance "
+          f"{report['tolerance']:g}); all tokens: max {report['max_abs_delta_log_prob_all_tokens']:.3e}, "
+          f"mean {report['mean_abs_delta_log_prob']:.3e}")
     r = report["routing"]
     print(f"routing vs transformers' top-k: {r['slot_frac_differs']:.2%} of expert slots differ, {r['token_any_frac_differs']:.2%} "
           f"of tokens in some layer ({r['tokens']} tokens, tolerance {report['routing_tolerance']:.0%})"

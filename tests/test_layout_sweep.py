@@ -129,14 +129,14 @@ def _run_layout(train: TrainParallel, checkpoint: str, batch: dict, reference) -
     from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
     from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
-    from megatron_bridge.verify import sharded_log_probs
+    from megatron_bridge.verify import sharded_log_probs, whole_sequence_batch
 
     initialize_parallel(train)
     actor = MegatronActor(TINY, train, BuildOptions(params_dtype=torch.float32), OptimConfig(lr=1e-3), "cpu")
     actor.load_hf(checkpoint)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = slice(dp_rank * len(reference) // dp, (dp_rank + 1) * len(reference) // dp)
-    log_probs, _ = sharded_log_probs(actor, batch["input_ids"][rows], MICRO_BATCH)
+    log_probs, _ = sharded_log_probs(actor, whole_sequence_batch(batch["input_ids"][rows]), MICRO_BATCH)
     metrics = actor.train_step({k: v[rows] for k, v in batch.items()}, MICRO_BATCH,
                                partial(policy_loss_func, LOSSES["gspo"]))
     return {"max_delta": float((log_probs - reference[rows]).abs().max()), "max_grad": max_grad(actor), **metrics}

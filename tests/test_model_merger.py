@@ -37,7 +37,7 @@ def _checkpoint(rank, world_size, model, batch, train_kwargs, directory, source)
     from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.runtime.optim import OptimConfig
-    from megatron_bridge.verify import sharded_log_probs
+    from megatron_bridge.verify import sharded_log_probs, whole_sequence_batch
 
     train = TrainParallel(**train_kwargs)
     initialize_parallel(train)
@@ -52,7 +52,7 @@ def _checkpoint(rank, world_size, model, batch, train_kwargs, directory, source)
     else:
         checkpoint.load(actor, source)
     checkpoint.save(actor, directory)
-    return sharded_log_probs(actor, batch["input_ids"])[0].tolist()
+    return sharded_log_probs(actor, whole_sequence_batch(batch["input_ids"]))[0].tolist()
 
 
 @pytest.fixture(scope="module")

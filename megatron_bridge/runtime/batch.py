@@ -74,6 +74,14 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int
     }
 
 
+def right_padded(rows: list[list[float]], width: int) -> torch.Tensor:
+    """Per-token values of each response ([rows, width] float32, 0 past each row's values)."""
+    out = torch.zeros(len(rows), width)
+    for row, values in enumerate(rows):
+        out[row, : len(values)] = torch.tensor(values, dtype=out.dtype)
+    return out
+
+
 def response_ends(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per row: prompt length + index past the last valid response token."""
     mask = batch[RESPONSE_MASK].bool()

@@ -76,6 +76,9 @@ def activate(name: str | None = None) -> Platform:
         from megatron_bridge.runtime import cpu_adaptor
 
         cpu_adaptor.install()
+    from megatron_bridge.runtime import megatron_compat
+
+    megatron_compat.install()
     _active = PLATFORMS[name]
     return _active
 

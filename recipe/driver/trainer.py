@@ -46,6 +46,7 @@ from megatron_bridge.runtime.batch import (
     dp_shares,
     make_batch,
     response_ends,
+    right_padded,
     token_mask,
 )
 from recipe.config import RecipeConfig, config_to_dict
@@ -336,9 +337,7 @@ class Trainer:
         if not self.cfg.actor_rollout_ref.rollout.calculate_log_probs:
             return {}
         mask = batch[RESPONSE_MASK]
-        engine = torch.zeros_like(batch[OLD_LOG_PROBS])
-        for row, values in enumerate(rollout.log_probs):
-            engine[row, : len(values)] = torch.tensor(values, dtype=engine.dtype)
+        engine = right_padded(rollout.log_probs, mask.shape[1])
         metrics = rollout_mismatch_metrics(batch[OLD_LOG_PROBS], engine, mask)
         rc = self.cfg.algorithm.rollout_correction
         if rc.rollout_is is not None or rc.rollout_rs is not None:

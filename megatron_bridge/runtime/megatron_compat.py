@@ -1,0 +1,116 @@
+"""What megatron-core 0.12.1 needs without Transformer Engine or Apex, and on torch >= 2.8, on
+every platform: the CPU path has neither, and a GPU install may lack both (on an H200 without them
+every optimizer step failed before these covers, docs/bench_device.md). Each cover changes nothing
+where the installed packages already work: with TE, Apex or MindSpeed's fused optimizer and on
+torch 2.7 the original functions run unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_installed = False
+
+
+def _cover_fp8_quantize() -> None:
+    """``DistributedOptimizer._copy_main_params_to_model_params`` calls ``quantize_param_shard`` on
+    every step, and without TE that function raises even when there is no FP8 parameter."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    original = distrib_optimizer.quantize_param_shard
+
+    @functools.wraps(original)
+    def quantize_param_shard(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return original(model_params, *args, **kwargs)
+
+    distrib_optimizer.quantize_param_shard = quantize_param_shard
+
+
+def _cover_torch_writer() -> None:
+    """torch >= 2.8 added a required ``serialization_format`` to the private ``_write_item``;
+    megatron-core 0.12.1's torch_dist writer calls it with the five arguments of torch 2.7."""
+    from torch.distributed.checkpoint import filesystem
+
+    if not hasattr(filesystem, "SerializationFormat"):
+        return  # torch 2.7 (the NPU stack): nothing to bridge
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def write_item(*args):
+        if len(args) == 5:
+            return filesystem._write_item(*args, filesystem.SerializationFormat.TORCH_SAVE)
+        return filesystem._write_item(*args)
+
+    filesystem_async._write_item = write_item
+
+
+def _torch_adam(optimizer) -> bool:
+    """torch's Adam / AdamW, which megatron falls back to without TE or Apex: it keeps a ``step``
+    tensor in each parameter's state, where the fused ones keep it in the param groups."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _cover_adam_state(optimizer_class) -> None:
+    """The DistributedOptimizer's state dict with torch's Adam (``megatron_bridge.runtime.checkpoint``)."""
+
+    # `state_dict()` reads Adam's `step` from the state, which does not exist before the first
+    # step: a checkpoint is loaded into a fresh optimizer. Allocate it (zeros, step 0) first.
+    sharded_state_dict = optimizer_class.sharded_state_dict
+
+    @functools.wraps(sharded_state_dict)
+    def allocated_sharded_state_dict(self, *args, **kwargs):
+        if _torch_adam(self.optimizer) and not self.optimizer.state:
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state["step"] = torch.tensor(0.0)
+        return sharded_state_dict(self, *args, **kwargs)
+
+    optimizer_class.sharded_state_dict = allocated_sharded_state_dict
+
+    # Loading copies every state tensor from the checkpoint's, but `step` is restored from the
+    # param groups (load_state_dict) and not among them: leave it out of the copy.
+    set_states = optimizer_class._set_main_param_and_optimizer_states
+
+    @functools.wraps(set_states)
+    def set_states_but_step(self, model_param, tensors):
+        if not _torch_adam(self.optimizer):
+            return set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        set_states(self, model_param, tensors)
+        if step is not None:
+            state["step"] = step
+
+    optimizer_class._set_main_param_and_optimizer_states = set_states_but_step
+
+    # ... and restores it as one tensor shared by every parameter's state, which torch's Adam then
+    # increments in place once per parameter: give each state its own.
+    load_state_dict = optimizer_class.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        if not _torch_adam(self.optimizer):
+            return
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    optimizer_class.load_state_dict = load_state_dict_own_steps
+
+
+def install() -> None:
+    """Install the covers for this process (idempotent); after the platform's own adaptor."""
+    global _installed
+    if _installed:
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _cover_fp8_quantize()
+    _cover_torch_writer()
+    _cover_adam_state(DistributedOptimizer)
+    _installed = True
