@@ -123,7 +123,8 @@ def _response(tokens: int, reason: str) -> Rollout:
 class _Pool:
     """Dispatch's generation calls: a generation is done when ``finished`` says so at the first poll
     that asks (collect always gets it); records each send's step and the version the engines held.
-    Each generation is one response, a token longer at each pause and at its end."""
+    Each generation is one response; a pause adds a token to the first in flight (it was running)
+    and holds the rest where they are (queued behind it); its end adds one more."""
 
     def __init__(self, finished):
         self.finished, self.sent, self.schedule = finished, [], None
@@ -131,14 +132,14 @@ class _Pool:
     def start(self, step, index):
         """Records (generation batch number over the run, the engines' version)."""
         self.sent.append(((step - 1) * self.schedule.per_step + index + 1, self.schedule.pushed))
-        return PendingRollout([None], 1, refs=[0])  # refs[0]: its tokens so far
+        return PendingRollout([None], 1, refs=[0], key=len(self.sent))  # refs[0]: its tokens so far
 
     def done(self, pending):
         return next(self.finished)
 
     def pause(self, pending, timeout_s):
-        pending.refs[0] += 1
-        return _response(pending.refs[0], "paused"), pending
+        pending[0].refs[0] += 1
+        return [(_response(p.refs[0], "paused" if i == 0 else "held"), p) for i, p in enumerate(pending)]
 
     def resume(self, pending):
         return pending
@@ -224,14 +225,14 @@ def test_require_batches_each_generation_batch_comes_from_the_first_version_that
 
 
 def test_batches_the_bound_allows_are_all_sent_at_once():
-    """K = 3 (T = 4): while step 1 trains, batches 2-4 wait on the rollout ranks, not one at a time;
-    with partial rollout one is in flight (a pause stops only the generation running)."""
-    for partial_rollout, sent in ((False, [(1, 0), (2, 0), (3, 0), (4, 0)]), (True, [(1, 0), (2, 0)])):
+    """K = 3 (T = 4): while step 1 trains, batches 2-4 wait on the rollout ranks, not one at a time,
+    with partial rollout too (a push pauses the one running and holds the others)."""
+    for partial_rollout in (False, True):
         pool = _Pool(itertools.repeat(False))
         schedule = pool.schedule = AsyncSchedule(pool, pool.start, 8, 4, 0, step=0, wait_timeout_s=60,
                                                  partial_rollout=partial_rollout)
         schedule.batch(1)
-        assert pool.sent == sent
+        assert pool.sent == [(1, 0), (2, 0), (3, 0), (4, 0)]
 
 
 def test_one_step_off_and_the_synchronous_bound_stalenesses():
@@ -311,6 +312,43 @@ def test_a_paused_and_continued_generation_is_the_uninterrupted_one(tmp_path):
         expected = torch.tensor(expected[tokens_before:])
         torch.testing.assert_close(torch.tensor(got[tokens_before:]), expected, rtol=0,
                                    atol=log_prob_tolerance(TINY_SPEC, expected, len(prompt) + len(got)))
+
+
+def test_a_pause_holds_the_generation_queued_behind_the_running_one(tmp_path):
+    """A rollout rank's worker (the transformers engine): a pause stops the generation running after
+    its current token and holds the one that starts next (it comes back empty, finish reason "held",
+    without touching the engine); after the weights are in, both go on in the order sent, the paused
+    one from its tokens so far, the held one from the start, and give what uninterrupted generations
+    of the same requests give."""
+    from megatron_bridge.tiny_model import save_tiny_checkpoint
+    from recipe.rollout.base import SamplingParams
+    from recipe.rollout.partial import paused_rows
+    from recipe.workers.rollout import RolloutWorker
+    from tests.test_rollout_hf import PROMPTS
+
+    worker = RolloutWorker(load_config(TINY["gspo"]), save_tiny_checkpoint(tmp_path, 0), torch.float32, "cpu")
+    params, tokens_before = SamplingParams(temperature=1.0, max_tokens=12, seed=3), 4
+    requests = {1: [0, 1, 2], 2: [3, 4, 5]}
+    whole = {key: worker.generate(PROMPTS, ids, params)[0] for key, ids in requests.items()}
+    assert worker.paused == {}  # without a key nothing is kept
+
+    calls = itertools.count(1)
+    hook = worker.engine.model.register_forward_pre_hook(
+        lambda *_: worker.pause() if next(calls) == tokens_before else None)
+    running, _ = worker.generate(PROMPTS, requests[1], params, key=1)
+    hook.remove()
+    queued, seconds = worker.generate(PROMPTS, requests[2], params, key=2)
+    assert paused_rows(running) and all(len(t) <= tokens_before for t in running.token_ids)
+    assert all(whole[1].token_ids[i][:len(t)] == t for i, t in enumerate(running.token_ids))
+    assert queued.finish_reasons == ["held"] * 3 and queued.token_ids == [[], [], []] and seconds == 0.0
+
+    worker.release()
+    assert worker.resume(3) is None  # nothing of call 3 waits here
+    for key in requests:
+        continued, _ = worker.resume(key)
+        assert continued.token_ids == whole[key].token_ids
+        assert continued.finish_reasons == whole[key].finish_reasons
+    assert worker.paused == {} and worker.generate(PROMPTS, requests[2], params, key=4)[0].token_ids == whole[2].token_ids
 
 
 # --- end to end --------------------------------------------------------------------------------
@@ -484,27 +522,30 @@ def test_fully_async_require_batches_trains_each_step_on_two_generation_batches_
 
 
 @pytest.mark.slow
-def test_fully_async_partial_rollout_continues_the_batch_in_flight_under_the_pushed_weights(tmp_path, fresh_ray):
-    """T = 1, K = 1 with partial_rollout and R3: rollout rank 0's decoding slowed (0.3 s a token), so
-    each push lands while it generates the next batch. The push pauses it, the weights go out and
-    the paused responses go on under them: steps 2 and 3 train on batches whose tokens come from two
-    versions (0 and 1 behind: a mean strictly between), no token more than K behind, and the routes
-    recorded across the swap replay (the run completes)."""
-    run = [*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1",
+def test_fully_async_partial_rollout_continues_the_batches_in_flight_under_the_pushed_weights(tmp_path, fresh_ray):
+    """T = 1, K = 2 (staleness_threshold 2) with partial_rollout and R3: rollout rank 0's decoding
+    slowed (0.3 s a token), so each push finds two batches in flight on it, one generating and one
+    queued. The push pauses the first and holds the second, the weights go out and both go on under
+    them: steps 2-4 train on batches whose tokens come from several versions (a mean strictly below
+    the max), none more than K behind, K reached, and the routes recorded across the swaps replay
+    (the run completes)."""
+    run = [*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=2",
            "async_training.partial_rollout=true", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
-           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "trainer.total_training_steps=3"]
+           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "trainer.total_training_steps=4"]
     trainer = _trainer(tmp_path, "partial", run)
     try:
+        assert trainer.cfg.async_training.max_staleness == 2
         _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.3)
-        metrics = [trainer.train_step(step) for step in (1, 2, 3)]
+        metrics = [trainer.train_step(step) for step in (1, 2, 3, 4)]
     finally:
         trainer.close()
-    assert [m["async/weight_pushes"] for m in metrics] == [1.0, 1.0, 1.0]
+    assert [m["async/weight_pushes"] for m in metrics] == [1.0] * 4
     assert metrics[0]["async/staleness_max"] == 0.0 and metrics[0]["async/partial_rollout_resumes"] == 0.0
     for m in metrics[1:]:
         assert m["async/partial_rollout_resumes"] > 0
-        assert m["async/staleness_max"] == 1.0 and 0.0 < m["async/staleness_mean"] < 1.0
-        assert m["moe/replay_override/slot_frac"] > 0.0  # the replayed routes include those made under v0
+        assert 0.0 < m["async/staleness_mean"] < m["async/staleness_max"] <= 2.0
+        assert m["moe/replay_override/slot_frac"] > 0.0  # the replayed routes include those of older versions
+    assert max(m["async/staleness_max"] for m in metrics) == 2.0
 
 
 # --- faults: each one line naming what failed, no hang, the checkpoint resumable ---------------------

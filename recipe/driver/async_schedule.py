@@ -15,11 +15,12 @@ With ``require_batches`` R > 1 a step's batch is R generation batches, numbered 
 R t over the run, joined when the step takes them; the bound counts them: g may be made under p
 while g <= R (p + T) + E, E = floor(``staleness_threshold`` x T x R) (with R = 1: b - 1 - p <= K).
 
-With partial rollout (``async_training.partial_rollout``) a push instead pauses the batch in flight
-(``recipe.rollout.partial``), loads the weights and lets the batch go on under them: its tokens
-carry the version that made each, and none is more than K behind (those made before the push were
-within the bound when the batch was sent, those after it are fresher). A pause stops only the
-generation running, so with partial rollout one batch is in flight at a time.
+With partial rollout (``async_training.partial_rollout``) a push instead pauses the batches in
+flight (``recipe.rollout.partial``): the one each rollout rank is generating stops after its
+current token, those queued behind it are held before they start; the weights load and the
+batches go on under them, in the order sent. Their tokens carry the version that made each, and
+none is more than K behind (those made before the push were within the bound when the batch was
+sent, those after it are fresher).
 
 ``one_step_off`` is T = 1, K = 1 (verl's one-step-off-policy recipe)::
 
@@ -109,8 +110,8 @@ class AsyncSchedule:
     def push(self, step: int, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Push step ``step``'s weights with ``sync()`` once the engines are idle; returns what ``sync``
         returned. Without partial rollout the engines first make every batch the outgoing version may
-        still make (each is sent as soon as the bound allows); with it, the batch in flight (there is
-        at most one) is paused, and continued under the new weights."""
+        still make (each is sent as soon as the bound allows); with it, the batches in flight are
+        paused, and continued under the new weights."""
         if self.partial_rollout and self.in_flight:
             self._pause()
         else:
@@ -124,11 +125,12 @@ class AsyncSchedule:
         return result
 
     def _pause(self) -> None:
-        """Pause the batch in flight; its responses so far were made by the engines' version."""
-        generating = self.in_flight[0]
-        pending = generating.pending
-        so_far, generating.pending = self._wait(lambda timeout_s: self.dispatch.pause(pending, timeout_s))
-        generating.record(so_far, self.pushed)
+        """Pause the batches in flight; their responses so far were made by the engines' version."""
+        pending = [generating.pending for generating in self.in_flight]
+        answers = self._wait(lambda timeout_s: self.dispatch.pause(pending, timeout_s))
+        for generating, (so_far, paused) in zip(self.in_flight, answers):
+            generating.pending = paused
+            generating.record(so_far, self.pushed)
 
     def _wait(self, answers: Callable[[float], object]):
         """``answers(timeout_s)``: the rollout ranks' answers, waited for at most ``wait_timeout_s``
@@ -151,8 +153,8 @@ class AsyncSchedule:
 
     def _send_allowed(self) -> None:
         """Send the next batches, in order, while the bound allows them (a batch past it is held back
-        until a push); with partial rollout one at a time, as a pause stops only the one generating."""
-        while self._allowed(self.next_batch) and not (self.partial_rollout and self.in_flight):
+        until a push)."""
+        while self._allowed(self.next_batch):
             step, index = divmod(self.next_batch - 1, self.per_step)
             pending = self.start(step + 1, index)
             self.in_flight.append(_Generating(self.next_batch, pending, [[] for _ in pending.rows]))

@@ -10,6 +10,7 @@ records of a pass come back per rank and are merged into one table of the batch'
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import ray
@@ -65,6 +66,7 @@ class PendingRollout:
     rows: list[PromptSample]
     n: int  # responses per prompt
     refs: list
+    key: int  # the generation call's name on the rollout ranks (what a pause keeps there for resume)
     # a resumed generation: each rank's answer at the pause, for the ranks with nothing to continue
     paused: list[tuple[Generation, float]] | None = None
 
@@ -79,6 +81,7 @@ class Dispatch:
         self.dp_size = infos[0].dp_size
         self.rollout_dp, self.rollout_tp = layout.rollout.dp, layout.rollout.tp
         self.sequence_parallel = layout.train.sequence_parallel
+        self.keys = itertools.count()
 
     def generate(self, prompts: list[PromptSample], n: int, params: SamplingParams, first_row: int = 0) -> Rollout:
         """``n`` responses per prompt. Rows are split into contiguous shares, one per rollout DP
@@ -91,11 +94,12 @@ class Dispatch:
         """``generate`` without waiting for it (a rollout pool of its own generates while the trainer works)."""
         rows = [s for s in prompts for _ in range(n)]
         shares = _split(len(rows), self.rollout_dp)
+        key = next(self.keys)
         args = []
         for rank in range(self.generators.world_size):
             lo, hi = shares[rank // self.rollout_tp]
-            args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(first_row + lo, first_row + hi)), params))
-        return PendingRollout(rows, n, self.generators.submit("generate", args))
+            args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(first_row + lo, first_row + hi)), params, key))
+        return PendingRollout(rows, n, self.generators.submit("generate", args), key)
 
     @staticmethod
     def done(pending: PendingRollout) -> bool:
@@ -103,18 +107,24 @@ class Dispatch:
         ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
         return len(ready) == len(pending.refs)
 
-    def pause(self, pending: PendingRollout, timeout_s: float | None = None) -> tuple[Rollout, PendingRollout]:
-        """Partial rollout: the generation's responses so far, each rank's stopped after its current
-        token, and the generation for ``resume``. The unfinished responses (finish reason "paused")
-        wait in the ranks."""
+    def pause(self, pending: list[PendingRollout],
+              timeout_s: float | None = None) -> list[tuple[Rollout, PendingRollout]]:
+        """Partial rollout, until the next weight sync: each generation's responses so far (the one
+        running stopped after its current token, those queued behind it held before they start),
+        and the generation for ``resume``. The unfinished responses (finish reason "paused" or
+        "held") wait in the ranks."""
         self.generators.call("pause", phase="generation")
-        answers = self._answers(pending, timeout_s)
-        return self._rollout(pending, answers), dataclasses.replace(pending, paused=answers)
+        out = []
+        for generation in pending:
+            answers = self._answers(generation, timeout_s)
+            out.append((self._rollout(generation, answers), dataclasses.replace(generation, paused=answers)))
+        return out
 
     def resume(self, paused: PendingRollout) -> PendingRollout:
         """The paused generation continued by the rollout ranks under the weights they hold now;
         ``collect`` gathers every row of it, the continued ones complete or paused again."""
-        return dataclasses.replace(paused, refs=self.generators.submit("resume"))
+        refs = self.generators.submit("resume", [(paused.key,)] * self.generators.world_size)
+        return dataclasses.replace(paused, refs=refs)
 
     def collect(self, pending: PendingRollout, timeout_s: float | None = None) -> Rollout:
         """The generation's samples, once every rollout rank has answered; ``WorkerTimeoutError``

@@ -8,6 +8,10 @@ weights the engine holds now), the rest of the token budget, and the same sample
 draws the random numbers it would have drawn uninterrupted. What was made before the pause stays as
 it was: its tokens, log-probs and routes (the re-prefill's routes of tokens already generated are
 dropped, R3 replays those of the version that made them).
+
+A generation that had not started when the pause came (queued behind the one running) is held:
+its responses come back empty with finish reason "held" and are generated from the start under
+the new weights.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ import torch
 from recipe.rollout.base import Generation, SamplingParams
 
 PAUSED = "paused"
+HELD = "held"
+
+
+def held(rows: int) -> Generation:
+    """The answer of a generation the pause stopped before it started: ``rows`` empty responses."""
+    return Generation(token_ids=[[] for _ in range(rows)], log_probs=[[] for _ in range(rows)],
+                      finish_reasons=[HELD] * rows)
 
 
 def paused_rows(generation: Generation) -> list[int]:

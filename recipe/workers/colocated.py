@@ -113,10 +113,10 @@ class Worker:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], request_ids: list[int],
-                 params: SamplingParams) -> tuple[Generation, float]:
+    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
+                 key: int) -> tuple[Generation, float]:
         self.actor.offload()
-        return self.rollout.generate(prompts, request_ids, params)
+        return self.rollout.generate(prompts, request_ids, params, key)
 
     def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str,
                           replay: bool) -> tuple[torch.Tensor, RoutingRecord | None]:

@@ -1,7 +1,9 @@
 """The rollout role of one rank: its engine (``recipe.rollout.ENGINES``), generation, and the
 device handed back to the trainer while it sleeps. The weights come in through the engine's
-``load_weights`` (``recipe.rollout.sync``). A generation the engine paused (partial rollout,
-``recipe.rollout.partial``) is kept here, samplers included, until ``resume`` continues it."""
+``load_weights`` (``recipe.rollout.sync``). With partial rollout (``recipe.rollout.partial``) a
+pause holds until ``release``: the generation running stops after its current token, one that
+starts meanwhile does not start; each is kept here under its key, samplers included, until
+``resume`` continues it."""
 
 from __future__ import annotations
 
@@ -25,36 +27,53 @@ class RolloutWorker:
             return_routed_experts=rollout.enable_rollout_routing_replay,
             engine_kwargs=rollout.engine_kwargs.get(rollout.name),
         ))
-        self.paused: tuple[list[list[int]], SamplingParams, Generation] | None = None  # what resume() continues
+        self.holding = False  # a pause came and the new weights have not: generations wait
+        # what resume() continues, by the key of the generation call: (prompts, request ids, params,
+        # the generation so far, None if it never started)
+        self.paused: dict[int, tuple[list[list[int]], list[int], SamplingParams, Generation | None]] = {}
 
-    def generate(self, prompts: list[list[int]], request_ids: list[int],
-                 params: SamplingParams) -> tuple[Generation, float]:
+    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
+                 key: int | None = None) -> tuple[Generation, float]:
         """The engine's responses, and the seconds they took here (the driver's clock would count
-        the time the call waited, too)."""
+        the time the call waited, too). ``key`` names the call for ``resume``."""
+        if self.holding and key is not None:  # queued behind a paused generation: it starts after the push
+            self.paused[key] = prompts, request_ids, params, None
+            return partial.held(len(prompts)), 0.0
         start = time.perf_counter()
         self.engine.wake_up()
         out = self.engine.generate(prompts, params, request_ids=request_ids)
-        return self._kept(prompts, params, out), time.perf_counter() - start
+        return self._kept(key, prompts, request_ids, params, out), time.perf_counter() - start
 
     def pause(self) -> None:
-        """Stop the generation running now after its current token (from another thread)."""
+        """Stop the generation running now after its current token (from another thread), and hold
+        the ones that would start until ``release``."""
+        self.holding = True
         self.engine.pause()
 
-    def resume(self) -> tuple[Generation, float] | None:
-        """The paused generation, every row of it, with its paused responses continued under the
-        weights the engine holds now, and the seconds that took; None if none is paused. A
-        generation run in between (a validation) leaves the paused one as it was."""
-        if self.paused is None:
+    def release(self) -> None:
+        """The pushed weights are in: generations run again."""
+        self.holding = False
+
+    def resume(self, key: int) -> tuple[Generation, float] | None:
+        """Generation ``key``, every row of it, with its paused responses continued (or, held before it
+        started, made from the start) under the weights the engine holds now, and the seconds that
+        took; None if nothing of it waits here. A generation run in between (a validation) leaves
+        the paused ones as they were."""
+        if key not in self.paused:
             return None
         start = time.perf_counter()
-        (prompts, params, paused), self.paused = self.paused, None
-        out = partial.resume(self.engine, prompts, params, paused)
-        return self._kept(prompts, params, out), time.perf_counter() - start
+        prompts, request_ids, params, paused = self.paused.pop(key)
+        if paused is None:
+            out = self.engine.generate(prompts, params, request_ids=request_ids)
+        else:
+            out = partial.resume(self.engine, prompts, params, paused)
+        return self._kept(key, prompts, request_ids, params, out), time.perf_counter() - start
 
-    def _kept(self, prompts: list[list[int]], params: SamplingParams, out: Generation) -> Generation:
+    def _kept(self, key: int | None, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
+              out: Generation) -> Generation:
         """``out`` as it leaves the process; kept here for ``resume``, samplers included, if paused."""
-        if partial.paused_rows(out):
-            self.paused = prompts, params, out
+        if key is not None and partial.paused_rows(out):
+            self.paused[key] = prompts, request_ids, params, out
         return dataclasses.replace(out, generators=None)
 
     def sleep(self) -> None:

@@ -88,18 +88,19 @@ class RolloutRank:
 
         self.weights, self.plan = WeightGroup(host, port, self.rank + 1, size, self.weights_timeout_s), plan
 
-    def generate(self, prompts: list[list[int]], request_ids: list[int],
-                 params: SamplingParams) -> tuple[Generation, float]:
-        return self.rollout.generate(prompts, request_ids, params)
+    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
+                 key: int) -> tuple[Generation, float]:
+        return self.rollout.generate(prompts, request_ids, params, key)
 
     @ray.method(concurrency_group="pause")
     def pause(self) -> None:
-        """Partial rollout: the ``generate`` in progress returns after its current token."""
+        """Partial rollout: the ``generate`` in progress returns after its current token, those queued
+        behind it return held, until the next weights are in."""
         self.rollout.pause()
 
-    def resume(self) -> tuple[Generation, float] | None:
-        """The paused generation continued under the weights held now (None: nothing paused here)."""
-        return self.rollout.resume()
+    def resume(self, key: int) -> tuple[Generation, float] | None:
+        """Generation ``key`` continued under the weights held now (None: nothing of it waits here)."""
+        return self.rollout.resume(key)
 
     def sync_weights(self) -> None:
         """Receive the training ranks' broadcast into the engine (with their ``sync_weights``)."""
@@ -107,3 +108,4 @@ class RolloutRank:
         from recipe.rollout.sync import load_all
 
         load_all(receive(self.plan, self.weights), self.rollout.engine)
+        self.rollout.release()
