@@ -24,6 +24,7 @@ which routing replay (R3) and the train-rollout routing metrics use.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import threading
@@ -103,6 +104,8 @@ class HFEngine:
         self.config = self.model.config
         self.eos_token_ids = _eos_token_ids(self.model)
         self.routing = HFRoutingRecorder(self.model) if return_routed_experts else None
+        # transformers renamed forward's ``past_key_values`` to ``cache`` (the old name goes in 5.40)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._slots = _hub_slots(self.model)
         self._spare: dict[str, torch.Tensor] = {}  # staging tensors for the next load_weights
         self._asleep = False
@@ -213,7 +216,7 @@ class HFEngine:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                **{self._cache_kwarg: cache},
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
