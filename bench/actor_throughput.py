@@ -62,6 +62,7 @@ from bench.common import (  # noqa: E402
     MODELS, check_out, command_line, cpu_cores, machine_facts, publish, run_ranks, save_model, synchronize,
 )
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
+from megatron_bridge.verify import DTYPES  # noqa: E402
 
 SCRIPT = "bench/actor_throughput.py"
 
@@ -280,10 +281,7 @@ def _torch_profile(fn: Callable[[], Any], path: Path, rows: int = 15) -> None:
     path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def build_actor(train: TrainParallel, checkpoint: str, dtype: str, platform_name: str):
+def build_actor(train: TrainParallel, checkpoint: str, dtype: str = "fp32", platform_name: str = "cpu"):
     """This rank's actor with the checkpoint loaded (parallel state must be initialised)."""
     from megatron_bridge.runtime.actor import MegatronActor
     from megatron_bridge.runtime.optim import OptimConfig
@@ -471,12 +469,11 @@ def threads_policy(threads: int | None, layouts: list[BenchLayout]) -> str:
 
 def report(results: list[dict], command: str, shape: BatchShape, steps: int, threads_note: str,
            load_before: float, args: argparse.Namespace) -> str:
-    model = "tiny Qwen3-MoE" if args.model == "tiny" else "mid-size Qwen3-MoE (bench/common.py MID_SIZE)"
     return "\n".join([
         f"Command: `{command}`",
         "",
         *machine_facts(threads_note, load_before, args.platform),
-        f"- model: {model}, {args.dtype} parameters (megatron's local layer spec, no fused kernels)",
+        f"- model: {MODELS[args.model]}, {args.dtype} parameters (megatron's local layer spec, no fused kernels)",
         f"- batch: {shape.describe()}, {results[0]['tokens']:,} valid tokens per step; "
         f"GSPO loss defaults; median of {steps} steps after 1 warm-up",
         "- padding: the share of the tokens the model replicas compute (micro-batch rows x padded length, "
@@ -519,7 +516,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--platform", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo ranks (default); cuda: one GPU per rank, nccl")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="parameter dtype (default fp32)")
-    p.add_argument("--model", choices=MODELS, default="tiny",
+    p.add_argument("--model", choices=tuple(MODELS), default="tiny",
                    help="tiny (default) or mid (0.70 B parameters, bench/common.py MID_SIZE)")
     p.add_argument("--checkpoint", default=None,
                    help="HF directory of the model (default: write --model's random weights to a temp dir)")

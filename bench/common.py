@@ -34,7 +34,7 @@ MID_SIZE = dict(
     bos_token_id=1, eos_token_id=2,
 )
 
-MODELS = ("tiny", "mid")
+MODELS = {"tiny": "tiny Qwen3-MoE", "mid": "mid-size Qwen3-MoE (bench/common.py MID_SIZE)"}  # --model: its description
 
 
 def save_model(directory: str | Path, model: str, seed: int = 0) -> str:

@@ -44,7 +44,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 
 import torch  # noqa: E402
 
-from bench.common import MID_SIZE, check_out, cpu_cores, machine_facts, publish, run_ranks  # noqa: E402
+from bench.common import MID_SIZE, check_out, command_line, cpu_cores, machine_facts, publish, run_ranks  # noqa: E402
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/reshard_throughput.py"
@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         for layout in args.layouts:
             print(f"layout {layout} ...", file=sys.stderr, flush=True)
             rows += run_layout(layout, config_dir, args.buckets, args.repeats)
-    command = "python " + " ".join([SCRIPT, *(argv if argv is not None else sys.argv[1:])])
-    publish(report(rows, command, args.repeats, load_before), args.out, SCRIPT, "Weight sync throughput on CPU")
+    publish(report(rows, command_line(SCRIPT, argv), args.repeats, load_before), args.out, SCRIPT,
+            "Weight sync throughput on CPU")
     return 0
 
 

@@ -41,8 +41,9 @@ from bench.common import (  # noqa: E402
     MODELS, check_out, command_line, cpu_cores, machine_facts, publish, run_ranks, save_model,
 )
 
+from megatron_bridge.verify import DTYPES  # noqa: E402
+
 SCRIPT = "bench/train_rollout_gap.py"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PAIRS = ("fp32/fp32", "fp32/bf16", "bf16/bf16")
 COLUMNS = {  # metric -> column heading
     "training/rollout_probs_diff_mean": "mean abs prob gap",
@@ -120,12 +121,11 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def report(results: list[dict[str, Any]], command: str, args: argparse.Namespace, load_before: float) -> str:
-    model = "tiny Qwen3-MoE" if args.model == "tiny" else "mid-size Qwen3-MoE (bench/common.py MID_SIZE)"
     return "\n".join([
         f"Command: `{command}`",
         "",
         *machine_facts(f"{torch.get_num_threads()} intra-op threads, one rank", load_before, args.platform),
-        f"- model: {model}, random weights (seed {args.seed}); {args.prompts} random-token prompts of "
+        f"- model: {MODELS[args.model]}, random weights (seed {args.seed}); {args.prompts} random-token prompts of "
         f"{args.prompt_len // 2}-{args.prompt_len} tokens, responses sampled at temperature 1 up to {args.response} tokens",
         "- engine: transformers (recipe.rollout.hf_engine) in the rollout dtype; trainer: megatron-core's local spec "
         "in the trainer dtype, scoring the engine's tokens as the old-log-prob pass does",
@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pairs", nargs="+", default=list(PAIRS), metavar="TRAINER/ROLLOUT",
                    help=f"dtype pairs, each of {' '.join(DTYPES)} (default: {' '.join(PAIRS)})")
     p.add_argument("--platform", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (one GPU)")
-    p.add_argument("--model", choices=MODELS, default="tiny", help="tiny (default) or mid (bench/common.py MID_SIZE)")
+    p.add_argument("--model", choices=tuple(MODELS), default="tiny", help="tiny (default) or mid (bench/common.py MID_SIZE)")
     p.add_argument("--prompts", type=int, default=32, help="prompts, one response each (default 32)")
     p.add_argument("--prompt-len", type=int, default=32, help="longest prompt; drawn from [N/2, N] (default 32)")
     p.add_argument("--response", type=int, default=128, help="most response tokens (default 128)")

@@ -61,12 +61,11 @@ class RolloutWorker:
         the paused ones as they were."""
         if key not in self.paused:
             return None
-        start = time.perf_counter()
         prompts, request_ids, params, paused = self.paused.pop(key)
-        if paused is None:
-            out = self.engine.generate(prompts, params, request_ids=request_ids)
-        else:
-            out = partial.resume(self.engine, prompts, params, paused)
+        if paused is None:  # held before it started
+            return self.generate(prompts, request_ids, params, key)
+        start = time.perf_counter()
+        out = partial.resume(self.engine, prompts, params, paused)
         return self._kept(key, prompts, request_ids, params, out), time.perf_counter() - start
 
     def _kept(self, key: int | None, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
