@@ -143,6 +143,21 @@ def test_the_rollout_pool_takes_nodes_the_training_pool_does_not_hold():
     assert pick_nodes(cpu, 1, 2, None, taken=["10.0.0.1"]) == cpu
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda", "npu"], ids=lambda d: f"on_{d}")  # not the npu marker
+def test_ray_accepts_the_rank_options_of_every_device(device):
+    # Ray refuses "GPU" in an actor's resources (num_gpus only): a CUDA run never started its workers
+    import ray
+
+    from recipe.workers.colocated import Worker
+    from recipe.workers.group import DEVICE_RESOURCE, device_options
+
+    options = device_options(device)
+    ray.remote(Worker).options(num_cpus=1, **options)  # raises ValueError on options Ray refuses
+    resource = DEVICE_RESOURCE[device]
+    asked = {"GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+    assert asked.get(resource, 0) == (1 if resource else 0) and sum(asked.values()) == (1 if resource else 0)
+
+
 def test_nodes_needed_adds_the_rollout_pools_nodes_on_devices_only():
     from dataclasses import replace
 

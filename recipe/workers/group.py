@@ -28,6 +28,16 @@ PLACEMENT_TIMEOUT_S = 120
 # failed ones (the others may be blocked in a collective with the failed one, and never end).
 PEERS_TIMEOUT_S = 30
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+
+
+def device_options(device: str) -> dict[str, Any]:
+    """The Ray actor options that give one rank one device (Ray then sets the rank's
+    CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES). Ray takes GPUs as ``num_gpus`` only: it
+    refuses "GPU" in ``resources``."""
+    resource = DEVICE_RESOURCE[device]
+    if resource is None:
+        return {}
+    return {"num_gpus": 1} if resource == "GPU" else {"resources": {resource: 1}}
 # What a worker raises about its input (a file, a key): the driver re-raises it as it is, naming the
 # worker, as it does a weight sync that failed on a worker (its message names what failed and the
 # timeout); anything else keeps Ray's report with the worker's traceback.
@@ -169,7 +179,7 @@ class WorkerGroup:
         self.workers = [
             remote.options(
                 num_cpus=cpus_per_worker,
-                resources={resource: 1} if resource else None,
+                **device_options(device),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local),
             ).remote(node * pool.devices_per_node + local, self.world_size, cpus_per_worker)
             for node, group in enumerate(self.groups)
