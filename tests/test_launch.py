@@ -236,8 +236,10 @@ def test_launchers_never_kill_by_pattern():
 
 
 def test_runtime_env_agrees_with_the_rollout_engine():
-    """mc2.yaml sets nothing removed and agrees with what the vLLM engine sets for itself on NPU."""
-    from recipe.rollout.vllm_setup import rollout_env
+    """mc2.yaml sets nothing removed, agrees with what the vLLM engine sets for itself on NPU, and
+    passes the engine's own environment check (it set expandable_segments:True, which the colocated
+    engine's sleep mode refuses: every NPU run stopped there)."""
+    from recipe.rollout.vllm_setup import check_env, rollout_env
 
     env = yaml.safe_load((REPO / "configs/runtime_env/mc2.yaml").read_text())["env_vars"]
     assert "VLLM_ENABLE_MC2" not in env and "HCCL_BUFFSIZE" not in env  # removed / computed per layout
@@ -246,6 +248,8 @@ def test_runtime_env_agrees_with_the_rollout_engine():
         if name in env:
             assert env[name] == value, name
     assert all(isinstance(v, str) for v in env.values())
+    check = check_env("npu", env, enable_sleep_mode=True)
+    assert check.errors == [] and check.warnings == []
 
 
 # --- dry runs and validation: nothing starts --------------------------------------------------------
