@@ -292,6 +292,9 @@ class AsyncTrainingConfig:
     # how long a rank of the weight group (training rank 0 and the rollout pool) waits for the others
     # when joining it and in each bucket's broadcast before the sync fails (recipe.rollout.broadcast)
     weight_sync_timeout_s: float = 600.0
+    # the weight group's transport (recipe.rollout.broadcast): auto = the device's collective library
+    # (HCCL on NPU, NCCL on GPU, gloo on the CPU), gloo = through host memory over TCP on any device
+    weight_sync_backend: str = "auto"
     # how long the trainer waits for a batch from the rollout pool (a rank that hangs, a pool that
     # starves) before the run fails with one line; generous: one batch of long responses takes minutes
     wait_rollout_timeout_s: float = 3600.0
@@ -511,6 +514,7 @@ RULES: dict[str, Rule] = {
     f"{_ACTOR}.checkpoint.save_contents": save_contents_rule,
     "async_training.mode": one_of(ASYNC_MODES),
     "async_training.weight_sync_timeout_s": greater_than(0),
+    "async_training.weight_sync_backend": one_of(("auto", "gloo")),
     "async_training.wait_rollout_timeout_s": greater_than(0),
     "async_training.staleness_threshold": at_least(0),
     "async_training.trigger_parameter_sync_step": POSITIVE,
@@ -996,10 +1000,6 @@ def _pool_problems(cfg: RecipeConfig) -> list[str]:
     if not layout.separate_rollout:
         out.append(f"actor_rollout_ref.hybrid_engine=false needs the rollout's own devices: set "
                    f"{_ROLLOUT}.n_gpus_per_node (and nnodes, default 1)")
-    if not ENGINES[arr.rollout.name].separate_pool:
-        runs = ", ".join(n for n, e in ENGINES.items() if e.separate_pool)
-        out.append(f"{_ROLLOUT}.name={arr.rollout.name} runs inside the training ranks' torch.distributed world; "
-                   f"a rollout pool of its own runs: {runs}")
     if cfg.algorithm.filter_groups.enable:
         out.append(f"algorithm.filter_groups (DAPO dynamic sampling) is not implemented with "
                    f"async_training.mode={mode}: each step's batch is one generation batch made ahead")
@@ -1022,6 +1022,12 @@ def _fully_async_problems(cfg: RecipeConfig) -> list[str]:
         out.append(f"async_training.require_batches={a.require_batches}: the step's data.train_batch_size "
                    f"({cfg.data.train_batch_size}) prompts are generated as require_batches equal batches; set it to "
                    f"one of {_divisors(cfg.data.train_batch_size)}")
+    engine = cfg.actor_rollout_ref.rollout.name
+    if a.partial_rollout and not ENGINES[engine].pauses:
+        pauses = ", ".join(n for n, e in ENGINES.items() if e.pauses)
+        out.append(f"async_training.partial_rollout=true pauses generations at a weight push, which "
+                   f"{_ROLLOUT}.name={engine} cannot (engines that can: {pauses}); set partial_rollout=false: "
+                   "the push then waits for the batches in flight")
     return out
 
 

@@ -69,6 +69,7 @@ FULLY_ASYNC = ["async_training.mode=fully_async", "actor_rollout_ref.hybrid_engi
     ([*FULLY_ASYNC, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
      "filter_groups .* not implemented with async_training.mode=fully_async"),
     (["rollout.total_rollout_steps=10"], "only rollout.nnodes and rollout.n_gpus_per_node apply here"),
+    ([*ONE_STEP_OFF, "async_training.weight_sync_backend=nccl"], "'nccl' is not a valid choice; choose from auto, gloo"),
 ])
 def test_async_config_is_checked(overrides, says):
     with pytest.raises(ConfigError, match=says):
@@ -100,6 +101,21 @@ def test_asynchronous_modes_config():
     sync = load_config(TINY["gspo"], ["actor_rollout_ref.rollout.n_gpus_per_node=2"])  # verl's colocated mirror
     assert sync.async_training.mode == "sync" and not sync.algorithm.rollout_correction.rollout_is
     assert sync.layout.rollout_world_size == 2
+
+
+def test_vllm_generates_in_a_pool_of_its_own_without_partial_rollout():
+    """The 30B recipes (vLLM-Ascend) take the split: vLLM's ranks are the rollout pool's, TP x DP its
+    devices; partial rollout needs an engine that pauses between tokens, which vLLM's is not here."""
+    split = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=2",
+             "actor_rollout_ref.rollout.n_gpus_per_node=16"]
+    cfg = load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=one_step_off"])
+    rollout = cfg.layout.rollout
+    assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.layout.rollout_world_size == 32 == rollout.tp * rollout.dp
+    assert load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=fully_async"]).async_training.sync_every == 4
+    with pytest.raises(ConfigError, match=r"partial_rollout=true pauses generations at a weight push, which "
+                                          r"actor_rollout_ref.rollout.name=vllm cannot \(engines that can: hf\); set "
+                                          r"partial_rollout=false"):
+        load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=fully_async", "async_training.partial_rollout=true"])
 
 
 @pytest.mark.parametrize("overrides, sync_every, max_staleness", [
@@ -385,6 +401,9 @@ def one_step_off_run(tmp_path_factory):
     trainer = _trainer(tmp_path_factory.mktemp("runs"), "one_step_off", ONE_STEP_OFF + ["trainer.total_training_steps=3"])
     try:
         assert trainer.rollout_workers.world_size == 2 and trainer.workers.world_size == 2
+        # the rollout ranks' torch.distributed world of their own (vLLM's external launcher runs in it)
+        assert [(i.rank, i.dp_rank, i.dp_size, i.tp_rank) for i in trainer.rollout_workers.infos] == [(0, 0, 2, 0),
+                                                                                                 (1, 1, 2, 0)]
         first, tokens, log_probs = _after_step_one(trainer)
         metrics = [first, *(trainer.train_step(step) for step in (2, 3))]
         model_bytes = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(trainer.model_dir).parameters())
@@ -680,7 +699,7 @@ def test_a_weight_broadcast_that_times_out_is_one_error_naming_the_weight_sync(t
         trainer.workers.workers[0], "weights.broadcast", 1, "stall"))
     assert status == 1
     assert message == [
-        "error: weight sync to the rollout pool failed in the broadcast from training rank 0: Timed out waiting "
+        "error: weight sync to the rollout pool over gloo failed in the broadcast from training rank 0: Timed out waiting "
         "3000ms for recv operation to complete (each rank waits async_training.weight_sync_timeout_s=3 s for the "
         "others: raise it if the export is that slow, else a peer died or stalled)",
         f"  (raised by rollout worker rank 0 on node {node} during weight sync)",

@@ -391,16 +391,26 @@ def test_inconsistent_rollout_pool_variables_are_one_line(tmp_path, env, args, s
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr
 
 
-def test_rollout_pool_refused_where_the_rollout_stays_colocated_or_cannot_leave(tmp_path):
+def test_rollout_pool_refused_where_the_rollout_stays_colocated(tmp_path):
     out = launch(TINY, tmp_path, ["--dry-run", "actor_rollout_ref.hybrid_engine=true"], ROLLOUT_NNODES="1",
                  ROLLOUT_NPUS_PER_NODE="2")
     assert out.returncode == 2 and "nothing was started" in out.stderr
     assert "sets actor_rollout_ref.hybrid_engine=true (the rollout on the training devices): unset ROLLOUT_NNODES" in out.stderr
-    # vLLM runs inside the training ranks' world: the 30B recipes cannot split yet, said before anything starts
-    out = launch(GSPO_30B, tmp_path, ["--dry-run"], ROLLOUT_NNODES="2", ROLLOUT_NPUS_PER_NODE="16",
-                 MASTER_ADDR="127.0.0.1", NODE_ROLE="head")
-    assert out.returncode == 2 and "a rollout pool of its own runs: hf" in out.stderr
     assert_nothing_left(tmp_path)
+
+
+def test_the_30b_launcher_splits_training_and_vllm_rollout_nodes(tmp_path):
+    out = launch(GSPO_30B, tmp_path, ["--dry-run"], ROLLOUT_NNODES="2", ROLLOUT_NPUS_PER_NODE="16",
+                 MASTER_ADDR="10.0.0.1", NODE_ROLE="head")
+    assert out.returncode == 0, out.stderr
+    assert "training: 2 x 16 npu, the head first; rollout: 2 x 16 npu on 2 other node(s)" in out.stdout
+    assert "rollout pool: 2 x 16 npu = 32 devices of its own (hybrid_engine=false)" in out.stdout
+    assert "--expect 4 " in out.stdout and "async_training.mode=one_step_off" in out.stdout
+    # partial rollout pauses generations between tokens, which the vLLM engine cannot: said before anything starts
+    out = launch(GSPO_30B, tmp_path, ["--dry-run", "async_training.mode=fully_async", "async_training.partial_rollout=true"],
+                 ROLLOUT_NNODES="2", ROLLOUT_NPUS_PER_NODE="16", MASTER_ADDR="10.0.0.1", NODE_ROLE="head")
+    assert out.returncode == 2 and "actor_rollout_ref.rollout.name=vllm cannot" in out.stderr
+    assert "nothing was started" in out.stderr
 
 
 def test_port_in_use_fails_before_ray_starts(tmp_path):

@@ -110,7 +110,7 @@ def test_mixed_expert_parallel_is_an_error_naming_the_yaml_keys():
 
 def test_rollout_must_cover_the_world_and_be_positive():
     vs.check_rollout_parallel(RolloutParallel(tp=2, dp=8, ep=16), world_size=16)
-    with pytest.raises(ConfigError, match=r"= 4 x 1 = 4 must equal the world size 8"):
+    with pytest.raises(ConfigError, match=r"= 4 x 1 = 4 must equal the rollout ranks' world size 8"):
         vs.check_rollout_parallel(RolloutParallel(tp=4, dp=1), world_size=8)
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.data_parallel_size=0 must be a positive integer"):
         vs.check_rollout_parallel(RolloutParallel(dp=0))

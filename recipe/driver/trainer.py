@@ -62,6 +62,7 @@ from recipe.reward import OverlongConfig, RewardOutput, make_reward_fn, score_re
 from recipe.rollout.base import SamplingParams, request_seed
 from recipe.tracking.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
+from recipe.workers.colocated import RankInfo
 from recipe.workers.group import WorkerGroup, init_ray, pools, shutdown_ray
 
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
@@ -136,15 +137,11 @@ class Trainer:
         self.workers = WorkerGroup(training, device, per_node)
         if rollout is not None:
             self.rollout_workers = WorkerGroup(rollout, device, per_node, taken=self.workers.node_ips)
-            starting = self.rollout_workers.submit("setup", [(cfg, self.model_dir)] * rollout.size)
+            starting = self.rollout_workers.start_setup(cfg, self.model_dir)
         infos = self.workers.setup(cfg, self.model_dir)
         self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec, self.rollout_workers)
         self.dp_size = self.dispatch.dp_size
-        nodes: dict[str, list[int]] = {}
-        for info in infos:
-            nodes.setdefault(info.node_ip, []).append(info.rank)
-        spans = [f"node {ip} rank {r[0]}" if len(r) == 1 else f"node {ip} ranks {r[0]}-{r[-1]}" for ip, r in nodes.items()]
-        tqdm.write("workers: " + "; ".join(spans))
+        tqdm.write("workers: " + _placement(infos))
         checkpoint.record_provenance(self.dir, self.workers, self.model_dir, t.seed, cfg.data.seed, self.total_steps)
         if resume is not None:
             state, rng = checkpoint.load(self.workers, resume)
@@ -154,7 +151,8 @@ class Trainer:
             tqdm.write(f"resumed from {resume} (step {self.step})" + ("" if rng else
                        "; written under another layout: weights, optimizer and schedule resharded, RNG states as seeded"))
         if self.rollout_workers is not None:  # the engines get the actor's weights, resumed or initial
-            self.rollout_workers.get(starting, "start-up")
+            self.rollout_workers.infos = self.rollout_workers.get(starting, "start-up")
+            tqdm.write("rollout workers: " + _placement(self.rollout_workers.infos))
             self.dispatch.connect_rollout()
             a = cfg.async_training
             self.ahead = AsyncSchedule(self.dispatch, self.start_generation, self.total_steps, a.sync_every,
@@ -467,3 +465,11 @@ def train(cfg: RecipeConfig) -> Path:
         trainer.close()
         if trainer.started_ray:
             shutdown_ray()
+
+
+def _placement(infos: list[RankInfo]) -> str:
+    """Which ranks run on which node: "node 10.0.0.1 ranks 0-15; node 10.0.0.2 ranks 16-31"."""
+    nodes: dict[str, list[int]] = {}
+    for info in infos:
+        nodes.setdefault(info.node_ip, []).append(info.rank)
+    return "; ".join(f"node {ip} rank {r[0]}" if len(r) == 1 else f"node {ip} ranks {r[0]}-{r[-1]}" for ip, r in nodes.items())

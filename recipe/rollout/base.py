@@ -99,6 +99,9 @@ class EngineArgs:
     seed: int
     return_routed_experts: bool  # report each token's experts (R3, the routing mismatch metrics)
     engine_kwargs: Mapping[str, Any] | None  # the engine's own further arguments
+    # shares its devices with the training ranks, taking turns through sleep / wake_up; False: a
+    # rollout pool of its own (actor_rollout_ref.hybrid_engine=false), whose engines never sleep
+    colocated: bool = True
 
 
 @dataclass

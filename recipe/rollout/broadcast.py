@@ -13,10 +13,16 @@ flight at a time, so neither side holds more than one bucket beyond its model.
 
 Every operation of the group (joining it, each bucket's broadcast) waits at most
 ``async_training.weight_sync_timeout_s`` for its peers; a peer that died or stalled fails it as a
-``WeightSyncError`` of one line, never a hang.
+``WeightSyncError`` of one line, never a hang (on gloo: the device libraries' own watchdogs may
+end the process instead, which the driver reports as a worker that died).
 
-gloo serves the CPU; a device pool would build the same group with ``ProcessGroupNCCL`` (or
-HCCL's) on device buffers, which has not run yet (docs/async.md).
+The group's library follows the device (``BACKENDS``, ``async_training.weight_sync_backend=auto``):
+gloo with host buffers on the CPU; on GPUs / NPUs NCCL / HCCL with the buffers on the device, so a
+bucket goes from the trainer's device to the engines' without a copy through host memory. Their
+process groups are built alike from the store: torch's ``ProcessGroupNCCL(store, rank, size,
+timeout)``, and torch_npu's ``torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)``
+(registered when torch_npu is imported; its API docs). ``weight_sync_backend=gloo`` keeps gloo
+and host buffers on devices too. Only gloo has run (docs/async.md).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from megatron_bridge.weights.export import WeightExporter
 
 SENDER = 0  # training rank 0 is rank 0 of the weight group; rollout rank i is rank i + 1
 TIMEOUT_KEY = "async_training.weight_sync_timeout_s"
+# the weight group's library per platform with weight_sync_backend=auto, and its process group class
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+GROUPS = {"gloo": "ProcessGroupGloo", "nccl": "ProcessGroupNCCL", "hccl": "ProcessGroupHCCL"}
 
 
 class WeightSyncError(RuntimeError):
@@ -55,22 +64,32 @@ class TransferPlan:
     def numel(self, bucket: list[tuple[str, tuple[int, ...]]]) -> int:
         return sum(math.prod(shape) for _, shape in bucket)
 
-    def buffer(self) -> torch.Tensor:
+    def buffer(self, device: torch.device) -> torch.Tensor:
         """One flat buffer that holds the largest bucket."""
-        return torch.empty(max(self.numel(b) for b in self.buckets), dtype=self.dtype)
+        return torch.empty(max(self.numel(b) for b in self.buckets), dtype=self.dtype, device=device)
+
+
+def weight_backend(platform: str, setting: str) -> tuple[str, torch.device]:
+    """The weight group's library and where its buffers live, for ``async_training.weight_sync_backend``."""
+    if setting == "gloo" or platform == "cpu":
+        return "gloo", torch.device("cpu")
+    return BACKENDS[platform], torch.device(platform, torch.cuda.current_device())  # torch_npu routes torch.cuda
 
 
 class WeightGroup:
-    """This process's member of the weight group (``rank`` 0: the sender, which hosts the store).
-    A sync starts only once the rollout ranks are idle (the driver waits for their generation
-    first), so ``timeout_s`` bounds the transfer itself and a peer that died or stalled during it."""
+    """This process's member of the weight group (``rank`` 0: the sender, which hosts the store),
+    on ``backend`` with its buffers on ``device`` (``weight_backend``). A sync starts only once the
+    rollout ranks are idle (the driver waits for their generation first), so ``timeout_s`` bounds
+    the transfer itself and a peer that died or stalled during it."""
 
-    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float, backend: str = "gloo",
+                 device: torch.device = torch.device("cpu")):
+        self.timeout_s, self.backend, self.device = timeout_s, backend, device
         timeout = timedelta(seconds=timeout_s)
         try:
             store = dist.TCPStore(host, port, size, rank == SENDER, timeout=timeout)
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, size, timeout)
+            group = getattr(dist, GROUPS[backend])  # ProcessGroupHCCL: torch_npu's, set on torch.distributed
+            self.group = group(dist.PrefixStore("weights", store), rank, size, timeout)
         except RuntimeError as e:  # the store's host, or a peer, never came
             raise self._failed("joining the weight group", e) from e
         self.store = store  # the sender's store serves the group for its whole life
@@ -84,9 +103,10 @@ class WeightGroup:
             raise self._failed("the broadcast from training rank 0", e) from e
 
     def _failed(self, what: str, error: RuntimeError) -> WeightSyncError:
-        return WeightSyncError(f"weight sync to the rollout pool failed in {what}: {_first_line(error)} (each rank "
-                               f"waits {TIMEOUT_KEY}={self.timeout_s:g} s for the others: raise it if the export "
-                               "is that slow, else a peer died or stalled)")
+        fallback = "" if self.backend == "gloo" else "; async_training.weight_sync_backend=gloo leaves the device library out"
+        return WeightSyncError(f"weight sync to the rollout pool over {self.backend} failed in {what}: "
+                               f"{_first_line(error)} (each rank waits {TIMEOUT_KEY}={self.timeout_s:g} s for the "
+                               f"others: raise it if the export is that slow, else a peer died or stalled{fallback})")
 
 
 def _first_line(error: Exception) -> str:
@@ -103,7 +123,7 @@ def send(exporter: WeightExporter, plan: TransferPlan, group: WeightGroup | None
     stream = exporter.stream()
     sent, on_wire = 0, 0.0
     if group is not None:
-        flat = plan.buffer()
+        flat = plan.buffer(group.device)
         for bucket in plan.buckets:
             offset = 0
             for name, shape in bucket:
@@ -128,7 +148,7 @@ def send(exporter: WeightExporter, plan: TransferPlan, group: WeightGroup | None
 
 def receive(plan: TransferPlan, group: WeightGroup) -> Iterator[tuple[str, torch.Tensor]]:
     """The broadcast as a weight stream for ``load_weights`` (views of one reused buffer)."""
-    flat = plan.buffer()
+    flat = plan.buffer(group.device)
     for bucket in plan.buckets:
         size = plan.numel(bucket)
         group.broadcast(flat[:size])

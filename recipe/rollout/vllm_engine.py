@@ -1,8 +1,12 @@
-"""The rollout engine on vLLM (CUDA) or vLLM-Ascend (NPU), colocated with the Megatron trainer.
+"""The rollout engine on vLLM (CUDA) or vLLM-Ascend (NPU), colocated with the Megatron trainer or
+in a rollout pool of its own.
 
-Every training rank is also a vLLM rank, in the same process: vLLM runs in its "external launcher"
-mode (SPMD, as in verl's and slime's colocated rollout), joins the torch.distributed job the trainer
-started, and takes turns with the trainer for the device memory through sleep mode. Written against
+vLLM runs in its "external launcher" mode (SPMD, as in verl's and slime's colocated rollout): each
+rank of the rollout is one vLLM rank in a process the recipe started, and vLLM joins the
+torch.distributed world that process is in. Colocated, every training rank is also a vLLM rank,
+in the training ranks' world, and takes turns with the trainer for the device memory through sleep
+mode; in a pool of its own (``actor_rollout_ref.hybrid_engine=false``) the rollout ranks form a
+world of their own and the engine never sleeps (``EngineArgs.colocated``). Written against
 vllm 0.11.0 with vllm-ascend 0.11.0rc1; see docs/rollout.md ("vLLM and vLLM-Ascend engine").
 
 The environment and the ``vllm.LLM`` arguments come from ``recipe.rollout.vllm_setup``, the checks
@@ -235,12 +239,12 @@ def _preserved_rngs(device_rng: Any):
 
 
 class VLLMEngine:
-    """``recipe.rollout.base.RolloutEngine`` on vLLM / vLLM-Ascend, colocated with the trainer.
+    """``recipe.rollout.base.RolloutEngine`` on vLLM / vLLM-Ascend.
 
-    Every rank constructs it, after the trainer has started torch.distributed (torchrun's RANK,
-    LOCAL_RANK, ... in the environment) and activated the platform. The engine starts asleep (with
-    sleep mode on) and with random weights: ``load_weights`` the trainer's, ``wake_up``, then
-    ``generate``.
+    Every rank of the rollout constructs it, in the torch.distributed world of the rollout's ranks
+    (colocated: the training ranks'; RANK, LOCAL_RANK, ... in the environment) with the platform
+    activated. The engine starts with random weights, and asleep when sleep mode is on (colocated):
+    ``load_weights`` the trainer's, ``wake_up``, then ``generate``.
 
     ``rollout`` gives TP / DP / EP, ``gpu_memory_utilization`` and ``max_num_seqs`` (the layout's
     ``actor_rollout_ref.rollout``); the two keyword arguments of the same name override it.
@@ -300,7 +304,7 @@ class VLLMEngine:
         for warning in check.warnings:
             logger.warning("rollout env: %s", warning)
         if check.errors:
-            raise RuntimeError("the environment breaks the colocated rollout:\n- " + "\n- ".join(check.errors))
+            raise RuntimeError("the environment breaks the vLLM rollout:\n- " + "\n- ".join(check.errors))
         if "vllm" in sys.modules and report.set:
             logger.warning("vllm was imported before VLLMEngine set %s; they may come too late", ", ".join(report.set))
         self.env = report
@@ -309,8 +313,9 @@ class VLLMEngine:
 
         if not dist.is_initialized():
             raise RuntimeError(
-                "torch.distributed is not initialised: the trainer starts it first (megatron_bridge.runtime.platform."
-                "init_distributed), then every rank builds VLLMEngine"
+                "torch.distributed is not initialised: the rollout's ranks join their world first (megatron_bridge."
+                "runtime.platform.init_distributed: the training ranks' world colocated, their own in a rollout pool "
+                "of its own), then every rank builds VLLMEngine"
             )
         check_launcher_env(os.environ)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -488,5 +493,5 @@ class VLLMEngine:
 def build(args: EngineArgs) -> VLLMEngine:
     """``recipe.rollout.ENGINES``'s entry."""
     return VLLMEngine(args.model_dir, args.rollout, platform=args.platform, dtype=args.dtype,
-                      max_model_len=args.max_model_len, seed=args.seed,
+                      max_model_len=args.max_model_len, seed=args.seed, enable_sleep_mode=args.colocated,
                       return_routed_experts=args.return_routed_experts, engine_kwargs=args.engine_kwargs)

@@ -57,7 +57,7 @@ class VLLMNotInstalledError(ImportError):
 
 
 def check_rollout_parallel(rollout: RolloutParallel, world_size: int | None = None) -> None:
-    """vLLM's rules for a colocated rollout layout; raises ConfigError naming the YAML keys."""
+    """vLLM's rules for a rollout layout; raises ConfigError naming the YAML keys."""
     keys = "actor_rollout_ref.rollout"
     for key, value in (("tensor_model_parallel_size", rollout.tp), ("data_parallel_size", rollout.dp),
                        ("expert_parallel_size", rollout.ep), ("max_num_seqs", rollout.max_num_seqs)):
@@ -75,9 +75,9 @@ def check_rollout_parallel(rollout: RolloutParallel, world_size: int | None = No
         )
     if world_size is not None and tp_dp != world_size:
         raise ConfigError(
-            f"colocated rollout: {keys}.tensor_model_parallel_size x {keys}.data_parallel_size = "
-            f"{rollout.tp} x {rollout.dp} = {tp_dp} must equal the world size {world_size} (every training "
-            "rank is a vLLM rank)"
+            f"{keys}.tensor_model_parallel_size x {keys}.data_parallel_size = {rollout.tp} x {rollout.dp} = "
+            f"{tp_dp} must equal the rollout ranks' world size {world_size} (each is one vLLM rank: the training "
+            "ranks colocated, the rollout pool's ranks with actor_rollout_ref.hybrid_engine=false)"
         )
 
 
@@ -162,7 +162,7 @@ def model_eos_token_ids(model_path: str) -> set[int]:
 
 
 def rollout_env(platform: str) -> dict[str, str]:
-    """Environment variables the colocated rollout needs, set before vllm is imported."""
+    """Environment variables the vLLM rollout needs, set before vllm is imported."""
     env = {
         # external_launcher needs the engine core in this process (ParallelConfig sets it too)
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -214,7 +214,7 @@ class EnvCheck:
 
 
 def check_env(platform: str, environ: Mapping[str, str], enable_sleep_mode: bool = True) -> EnvCheck:
-    """Settings that break the colocated rollout (errors) or do nothing (warnings)."""
+    """Settings that break the vLLM rollout (errors) or do nothing (warnings)."""
     out = EnvCheck()
     alloc = "PYTORCH_NPU_ALLOC_CONF" if platform == "npu" else "PYTORCH_CUDA_ALLOC_CONF"
     conf = environ.get(alloc, "").replace(" ", "")

@@ -63,6 +63,19 @@ def quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
+def join_world(device: str, rank: int, world_size: int, master_addr: str, master_port: int) -> Platform:
+    """This process as ``rank`` of a torch.distributed world on ``device``'s platform, set in the
+    environment as torchrun sets it (vLLM's external launcher reads it there). Ray gives each rank
+    one device, so its local rank is 0."""
+    from megatron_bridge.runtime.platform import activate, init_distributed
+
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    platform = activate(device)
+    init_distributed(platform)
+    return platform
+
+
 class Worker:
     def __init__(self, rank: int, world_size: int, threads: int):
         self.rank, self.world_size = rank, world_size
@@ -88,13 +101,7 @@ class Worker:
 
     def _join(self, cfg: RecipeConfig, master_addr: str, master_port: int) -> Platform:
         """This rank in the training ranks' torch.distributed world, on the layout's platform."""
-        from megatron_bridge.runtime.platform import activate, init_distributed
-
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        platform = activate(cfg.layout.cluster.device)
-        init_distributed(platform)
-        return platform
+        return join_world(cfg.layout.cluster.device, self.rank, self.world_size, master_addr, master_port)
 
     def _info(self) -> RankInfo:
         import ray

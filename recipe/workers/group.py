@@ -188,9 +188,14 @@ class WorkerGroup:
         self.infos: list[RankInfo] = []
 
     def setup(self, cfg, model_dir: str) -> list[RankInfo]:
-        addr, port = self.get([self.workers[0].address.remote()], "start-up")[0]
-        self.infos = self.get([w.setup.remote(cfg, model_dir, addr, port) for w in self.workers], "start-up")
+        self.infos = self.get(self.start_setup(cfg, model_dir), "start-up")
         return self.infos
+
+    def start_setup(self, cfg, model_dir: str) -> list:
+        """Every worker's ``setup`` in the pool's torch.distributed world (rank 0 hosts its
+        rendezvous), without waiting: their refs for ``get``."""
+        addr, port = self.get([self.workers[0].address.remote()], "start-up")[0]
+        return [w.setup.remote(cfg, model_dir, addr, port) for w in self.workers]
 
     def call(self, method: str, args: Sequence[tuple] | None = None, phase: str | None = None) -> list[Any]:
         """``method`` on every worker (with its own ``args`` if given), all at once; their results."""

@@ -19,13 +19,14 @@ from recipe.rollout.base import EngineArgs, Generation, SamplingParams
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str):
+    def __init__(self, cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str, colocated: bool = True):
+        """``colocated``: the engine shares the device with a training rank (``EngineArgs.colocated``)."""
         rollout, data = cfg.actor_rollout_ref.rollout, cfg.data
         self.engine = ENGINES[rollout.name].build(EngineArgs(
             model_dir=model_dir, dtype=dtype, platform=platform, rollout=cfg.layout.rollout,
             max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
             return_routed_experts=rollout.enable_rollout_routing_replay,
-            engine_kwargs=rollout.engine_kwargs.get(rollout.name),
+            engine_kwargs=rollout.engine_kwargs.get(rollout.name), colocated=colocated,
         ))
         self.holding = False  # a pause came and the new weights have not: generations wait
         # what resume() continues, by the key of the generation call: (prompts, request ids, params,

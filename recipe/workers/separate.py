@@ -19,7 +19,7 @@ import torch
 from recipe.config import RecipeConfig
 from recipe.rollout.base import Generation, SamplingParams
 from recipe.workers.actor import ActorWorker
-from recipe.workers.colocated import DTYPES, RankInfo, Worker, quiet_known_warnings
+from recipe.workers.colocated import DTYPES, RankInfo, Worker, free_address, join_world, quiet_known_warnings
 from recipe.workers.rollout import RolloutWorker
 
 if TYPE_CHECKING:
@@ -34,12 +34,14 @@ class TrainerWorker(Worker):
         from recipe.rollout.broadcast import TransferPlan
 
         platform = self._join(cfg, master_addr, master_port)
+        self.platform = platform.name
         # rank 0 takes the whole model and passes it on; the rollout ranks hold every expert
         self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, DTYPES[cfg.actor_rollout_ref.model.dtype],
                                  platform.name, 1, make_room=self._sleep_rollout, weight_receivers=1)
         self.plan = TransferPlan.of(self.actor.exporter)
         self.weights = None  # the weight group, on rank 0 once joined
         self.weights_timeout_s = cfg.async_training.weight_sync_timeout_s
+        self.weights_backend = cfg.async_training.weight_sync_backend
         return self._info()
 
     def _sleep_rollout(self) -> None:
@@ -50,9 +52,10 @@ class TrainerWorker(Worker):
 
     def join_weights(self, host: str, port: int, size: int) -> None:
         """Rank 0: open the weight group (it hosts the store) with the rollout ranks."""
-        from recipe.rollout.broadcast import SENDER, WeightGroup
+        from recipe.rollout.broadcast import SENDER, WeightGroup, weight_backend
 
-        self.weights = WeightGroup(host, port, SENDER, size, self.weights_timeout_s)
+        self.weights = WeightGroup(host, port, SENDER, size, self.weights_timeout_s,
+                                   *weight_backend(self.platform, self.weights_backend))
 
     def sync_weights(self) -> dict[str, float]:
         from recipe.rollout.broadcast import send
@@ -64,7 +67,9 @@ class TrainerWorker(Worker):
 
 
 class RolloutRank:
-    """One rollout rank: its engine, in a process with no Megatron shard, outside the training world.
+    """One rollout rank: its engine, in a process with no Megatron shard. The rollout ranks form a
+    torch.distributed world of their own (the engine's: vLLM's external launcher runs its TP / DP /
+    EP groups in it), apart from the training ranks'.
     ``pause`` runs in a concurrency group of its own, so that it reaches a ``generate`` in progress;
     every other call runs one at a time, in the default group."""
 
@@ -75,18 +80,32 @@ class RolloutRank:
         torch.set_num_threads(threads)
         quiet_known_warnings()  # the config's imports reach megatron-core
 
-    def setup(self, cfg: RecipeConfig, model_dir: str) -> None:
-        from megatron_bridge.runtime.platform import activate
+    def address(self) -> tuple[str, int]:
+        return free_address()
 
-        platform = activate(cfg.layout.cluster.device)
-        self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name)
+    def setup(self, cfg: RecipeConfig, model_dir: str, master_addr: str, master_port: int) -> RankInfo:
+        """Join the rollout ranks' world and build the engine (random or initial weights until the
+        first ``sync_weights``); where this rank sits in the rollout layout."""
+        import ray
+        import torch.distributed as dist
+
+        from recipe.rollout.broadcast import weight_backend
+
+        platform = join_world(cfg.layout.cluster.device, self.rank, self.world_size, master_addr, master_port)
+        self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name,
+                                     colocated=False)
         self.weights = self.plan = None
         self.weights_timeout_s = cfg.async_training.weight_sync_timeout_s
+        self.weights_backend = weight_backend(platform.name, cfg.async_training.weight_sync_backend)
+        rank, size, tp = dist.get_rank(), dist.get_world_size(), cfg.layout.rollout.tp
+        return RankInfo(rank=rank, node_ip=ray.util.get_node_ip_address(), dp_rank=rank // tp, dp_size=size // tp,
+                        tp_rank=rank % tp, pp_rank=0, first_of_replica=rank % tp == 0)
 
     def join_weights(self, host: str, port: int, size: int, plan: TransferPlan) -> None:
         from recipe.rollout.broadcast import WeightGroup
 
-        self.weights, self.plan = WeightGroup(host, port, self.rank + 1, size, self.weights_timeout_s), plan
+        self.weights = WeightGroup(host, port, self.rank + 1, size, self.weights_timeout_s, *self.weights_backend)
+        self.plan = plan
 
     def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
                  key: int) -> tuple[Generation, float]:
