@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import re
 
 import pytest
@@ -18,6 +19,7 @@ from recipe.driver.async_schedule import AsyncSchedule
 from recipe.driver.dispatch import PendingRollout, Rollout
 from recipe.driver.trainer import prompt_hash
 from recipe.tracking.loggers import read_jsonl
+from tests.distributed import free_port, run_ranks
 from tests.test_recipe_e2e import TINY, VOLATILE, _trainer
 
 ONE_STEP_OFF = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
@@ -706,3 +708,40 @@ def test_a_weight_broadcast_that_times_out_is_one_error_naming_the_weight_sync(t
         f"  (in step 1; last completed step: 0; a re-run starts fresh (no checkpoint in "
         f"{tmp_path / 'stalls' / 'checkpoints'}))",
     ]
+
+
+# --- the weight group of a rollout pool of its own (recipe.rollout.broadcast) -----------------------
+
+
+def _carry_buckets(rank, world_size, port, platform_name, setting):
+    """Rank 0 broadcasts two buckets packed as ``send`` packs them; the others ``receive`` them."""
+    from recipe.rollout.broadcast import SENDER, TransferPlan, WeightGroup, receive, weight_backend
+
+    shapes = {"a.weight": (3, 4), "b.bias": (5,), "c.weight": (2, 2, 2)}
+    tensors = {name: torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).to(torch.bfloat16) / 7
+               for name, shape in shapes.items()}
+    plan = TransferPlan(torch.bfloat16, [[("a.weight", (3, 4)), ("b.bias", (5,))], [("c.weight", (2, 2, 2))]])
+    backend, device = weight_backend(platform_name, setting)
+    group = WeightGroup("127.0.0.1", port, rank, world_size, 60, backend, device)
+    if rank == SENDER:
+        for bucket in plan.buckets:
+            group.broadcast(torch.cat([tensors[name].reshape(-1) for name, _ in bucket]).to(device))
+        return {"backend": group.backend}
+    got = [(name, t.device.type, t.clone().cpu()) for name, t in receive(plan, group)]  # views of one buffer
+    return {"backend": group.backend, "names": [n for n, _, _ in got], "devices": sorted({d for _, d, _ in got}),
+            "equal": all(torch.equal(t, tensors[n]) for n, _, t in got)}
+
+
+@pytest.mark.parametrize("platform_name, setting, backend, device", [
+    ("cpu", "auto", "gloo", "cpu"),
+    pytest.param("cuda", "auto", "nccl", "cuda", marks=pytest.mark.gpu),  # two GPUs: NCCL refuses two ranks on one
+    pytest.param("cuda", "gloo", "gloo", "cpu", marks=pytest.mark.gpu),
+])
+def test_the_weight_group_carries_the_buckets_on_the_devices_library(tmp_path, platform_name, setting, backend, device):
+    if platform_name == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    results = run_ranks(_carry_buckets, 2, tmp_path, free_port(), platform_name, setting, platform_name=platform_name)
+    assert {r["backend"] for r in results} == {backend}
+    for receiver in results[1:]:
+        assert receiver == {"backend": backend, "names": ["a.weight", "b.bias", "c.weight"], "devices": [device],
+                            "equal": True}

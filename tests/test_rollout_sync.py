@@ -1,15 +1,12 @@
 """Weight sync end to end on CPU gloo ranks: a sharded actor whose weights differ from the engine's
 streams them into the transformers rollout engine (recipe.rollout.sync), and the engine's sampled
-tokens then get the actor's own log-probs; and the weight group that carries the stream to a rollout
-pool of its own (recipe.rollout.broadcast), on each device's library."""
-
-import math
+tokens then get the actor's own log-probs."""
 
 import pytest
 import torch
 
 from megatron_bridge.tiny_model import save_tiny_checkpoint
-from tests.distributed import free_port, run_ranks
+from tests.distributed import run_ranks
 from tests.numerics import log_prob_tolerance
 
 pytestmark = pytest.mark.numerics  # CI runs these again under another CPU kernel path
@@ -88,39 +85,3 @@ def test_engine_after_sync_matches_sharded_actor(tmp_path):
         assert m["timing_s/reshard"] >= m["reshard/export_s"] > 0
         assert m["reshard/bytes_received"] > 0  # TP2 x EP2: half of every split tensor comes from the peer
 
-
-# --- the weight group of a rollout pool of its own (recipe.rollout.broadcast) -----------------------
-
-
-def _carry_buckets(rank, world_size, port, platform_name, setting):
-    """Rank 0 broadcasts two buckets packed as ``send`` packs them; the others ``receive`` them."""
-    from recipe.rollout.broadcast import SENDER, TransferPlan, WeightGroup, receive, weight_backend
-
-    shapes = {"a.weight": (3, 4), "b.bias": (5,), "c.weight": (2, 2, 2)}
-    tensors = {name: torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).to(torch.bfloat16) / 7
-               for name, shape in shapes.items()}
-    plan = TransferPlan(torch.bfloat16, [[("a.weight", (3, 4)), ("b.bias", (5,))], [("c.weight", (2, 2, 2))]])
-    backend, device = weight_backend(platform_name, setting)
-    group = WeightGroup("127.0.0.1", port, rank, world_size, 60, backend, device)
-    if rank == SENDER:
-        for bucket in plan.buckets:
-            group.broadcast(torch.cat([tensors[name].reshape(-1) for name, _ in bucket]).to(device))
-        return {"backend": group.backend}
-    got = [(name, t.device.type, t.clone().cpu()) for name, t in receive(plan, group)]  # views of one buffer
-    return {"backend": group.backend, "names": [n for n, _, _ in got], "devices": sorted({d for _, d, _ in got}),
-            "equal": all(torch.equal(t, tensors[n]) for n, _, t in got)}
-
-
-@pytest.mark.parametrize("platform_name, setting, backend, device", [
-    ("cpu", "auto", "gloo", "cpu"),
-    pytest.param("cuda", "auto", "nccl", "cuda", marks=pytest.mark.gpu),  # two GPUs: NCCL refuses two ranks on one
-    pytest.param("cuda", "gloo", "gloo", "cpu", marks=pytest.mark.gpu),
-])
-def test_the_weight_group_carries_the_buckets_on_the_devices_library(tmp_path, platform_name, setting, backend, device):
-    if platform_name == "cuda" and torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA GPUs")
-    results = run_ranks(_carry_buckets, 2, tmp_path, free_port(), platform_name, setting, platform_name=platform_name)
-    assert {r["backend"] for r in results} == {backend}
-    for receiver in results[1:]:
-        assert receiver == {"backend": backend, "names": ["a.weight", "b.bias", "c.weight"], "devices": [device],
-                            "equal": True}
