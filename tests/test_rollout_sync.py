@@ -84,4 +84,3 @@ def test_engine_after_sync_matches_sharded_actor(tmp_path):
         assert m["reshard/tensors"] == 135 and m["reshard/bytes"] == 1452800
         assert m["timing_s/reshard"] >= m["reshard/export_s"] > 0
         assert m["reshard/bytes_received"] > 0  # TP2 x EP2: half of every split tensor comes from the peer
-
