@@ -13,8 +13,8 @@ flight at a time, so neither side holds more than one bucket beyond its model.
 
 Every operation of the group (joining it, each bucket's broadcast) waits at most
 ``async_training.weight_sync_timeout_s`` for its peers; a peer that died or stalled fails it as a
-``WeightSyncError`` of one line, never a hang (on gloo: the device libraries' own watchdogs may
-end the process instead, which the driver reports as a worker that died).
+``WeightSyncError`` of one line, never a hang. So it is on gloo; the watchdogs of NCCL / HCCL may
+end the process instead, which the driver reports as a worker that died.
 
 The group's library follows the device (``BACKENDS``, ``async_training.weight_sync_backend=auto``):
 gloo with host buffers on the CPU; on GPUs / NPUs NCCL / HCCL with the buffers on the device, so a
