@@ -4,7 +4,8 @@ Most tests check our side of the boundary without vLLM: the engine arguments bui
 the environment, the sampling-parameter mapping, the conversion of vLLM's outputs (stand-in objects
 with the attribute names of vLLM's RequestOutput / CompletionOutput / Logprob; vLLM does not run
 there), the weight-stream checks and the error when vLLM is missing. The tests at the end run a
-real single-rank engine on the tiny model; they need vLLM and a GPU (or vLLM-Ascend and an NPU).
+real single-rank engine on the tiny model, colocated and as in a rollout pool of its own; they need
+vLLM and a GPU (or vLLM-Ascend and an NPU).
 """
 
 import glob
@@ -559,3 +560,33 @@ def test_real_engine_sleep_wake_keeps_the_weights_and_a_bad_sync_blocks_generati
         engine.generate(PROMPTS, params)
     engine.load_weights(items)
     assert engine.generate(PROMPTS, params) == before
+
+
+def _pool_engine_greedy(rank, world_size, model_dir, files):
+    """One rank of a rollout pool of its own: the engine built as RolloutRank builds it (no sleep mode),
+    the weights loaded, greedy responses generated; its own process, beside the fixture's engine."""
+    from recipe.rollout import ENGINES
+    from recipe.rollout.base import EngineArgs
+
+    engine = ENGINES["vllm"].build(EngineArgs(
+        model_dir=model_dir, dtype=torch.float32, platform="cuda", rollout=RolloutParallel(dp=1, gpu_memory_utilization=0.3),
+        max_model_len=256, seed=0, return_routed_experts=False, engine_kwargs={"enforce_eager": True}, colocated=False))
+    engine.load_weights((name, t) for path in files for name, t in load_file(path).items())
+    engine.wake_up()  # nothing asleep: a no-op, as RolloutWorker.generate calls it
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
+    return {"sleep_mode": engine.enable_sleep_mode, "tokens": out.token_ids}
+
+
+@pytest.mark.gpu
+def test_real_engine_in_a_rollout_pool_of_its_own_never_sleeps(tiny_dir, tmp_path):
+    pytest.importorskip("vllm")
+    from tests.distributed import run_ranks
+
+    files = sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors")))
+    (result,) = run_ranks(_pool_engine_greedy, 1, tmp_path, str(tiny_dir), files, platform_name="cuda")
+    reference = tiny_hf_model(0)
+    assert result["sleep_mode"] is False
+    for prompt, tokens in zip(PROMPTS, result["tokens"]):
+        expected = greedy_reference(reference, prompt, 8)
+        stop = next((k + 1 for k, t in enumerate(expected) if t == 2), len(expected))
+        assert tokens == expected[:stop]
