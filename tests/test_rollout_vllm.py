@@ -29,7 +29,7 @@ from recipe.rollout import vllm_engine as ve
 from recipe.rollout import vllm_setup as vs
 from recipe.rollout import vllm_weights as vw
 from recipe.rollout.base import Generation, SamplingParams, WeightLoadError, check_prompts, request_seed
-from tests.distributed import free_port
+from tests.distributed import free_port, run_ranks
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROMPTS = [[5, 17, 300, 41], [9, 88, 7, 130, 250, 3, 61, 11, 400], [77]]
@@ -580,8 +580,6 @@ def _pool_engine_greedy(rank, world_size, model_dir, files):
 @pytest.mark.gpu
 def test_real_engine_in_a_rollout_pool_of_its_own_never_sleeps(tiny_dir, tmp_path):
     pytest.importorskip("vllm")
-    from tests.distributed import run_ranks
-
     files = sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors")))
     (result,) = run_ranks(_pool_engine_greedy, 1, tmp_path, str(tiny_dir), files, platform_name="cuda")
     reference = tiny_hf_model(0)

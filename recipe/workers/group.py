@@ -28,6 +28,11 @@ PLACEMENT_TIMEOUT_S = 120
 # failed ones (the others may be blocked in a collective with the failed one, and never end).
 PEERS_TIMEOUT_S = 30
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+# What a worker raises about its input (a file, a key): the driver re-raises it as it is, naming the
+# worker, as it does a weight sync that failed on a worker (its message names what failed and the
+# timeout); anything else keeps Ray's report with the worker's traceback.
+INPUT_ERRORS = (ConfigError, OSError)
+NAMED_ERRORS = (*INPUT_ERRORS, WeightSyncError)
 
 
 def device_options(device: str) -> dict[str, Any]:
@@ -38,11 +43,6 @@ def device_options(device: str) -> dict[str, Any]:
     if resource is None:
         return {}
     return {"num_gpus": 1} if resource == "GPU" else {"resources": {resource: 1}}
-# What a worker raises about its input (a file, a key): the driver re-raises it as it is, naming the
-# worker, as it does a weight sync that failed on a worker (its message names what failed and the
-# timeout); anything else keeps Ray's report with the worker's traceback.
-INPUT_ERRORS = (ConfigError, OSError)
-NAMED_ERRORS = (*INPUT_ERRORS, WeightSyncError)
 
 
 class ClusterError(RuntimeError):

@@ -31,17 +31,16 @@ class TrainerWorker(Worker):
     memory, with the weight sync sent to the rollout pool."""
 
     def setup(self, cfg: RecipeConfig, model_dir: str, master_addr: str, master_port: int) -> RankInfo:
-        from recipe.rollout.broadcast import TransferPlan
+        from recipe.rollout.broadcast import TransferPlan, weight_backend
 
         platform = self._join(cfg, master_addr, master_port)
-        self.platform = platform.name
         # rank 0 takes the whole model and passes it on; the rollout ranks hold every expert
         self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, DTYPES[cfg.actor_rollout_ref.model.dtype],
                                  platform.name, 1, make_room=self._sleep_rollout, weight_receivers=1)
         self.plan = TransferPlan.of(self.actor.exporter)
         self.weights = None  # the weight group, on rank 0 once joined
         self.weights_timeout_s = cfg.async_training.weight_sync_timeout_s
-        self.weights_backend = cfg.async_training.weight_sync_backend
+        self.weights_backend = weight_backend(platform.name, cfg.async_training.weight_sync_backend)
         return self._info()
 
     def _sleep_rollout(self) -> None:
@@ -52,10 +51,9 @@ class TrainerWorker(Worker):
 
     def join_weights(self, host: str, port: int, size: int) -> None:
         """Rank 0: open the weight group (it hosts the store) with the rollout ranks."""
-        from recipe.rollout.broadcast import SENDER, WeightGroup, weight_backend
+        from recipe.rollout.broadcast import SENDER, WeightGroup
 
-        self.weights = WeightGroup(host, port, SENDER, size, self.weights_timeout_s,
-                                   *weight_backend(self.platform, self.weights_backend))
+        self.weights = WeightGroup(host, port, SENDER, size, self.weights_timeout_s, *self.weights_backend)
 
     def sync_weights(self) -> dict[str, float]:
         from recipe.rollout.broadcast import send
