@@ -1022,12 +1022,6 @@ def _fully_async_problems(cfg: RecipeConfig) -> list[str]:
         out.append(f"async_training.require_batches={a.require_batches}: the step's data.train_batch_size "
                    f"({cfg.data.train_batch_size}) prompts are generated as require_batches equal batches; set it to "
                    f"one of {_divisors(cfg.data.train_batch_size)}")
-    engine = cfg.actor_rollout_ref.rollout.name
-    if a.partial_rollout and not ENGINES[engine].pauses:
-        pauses = ", ".join(n for n, e in ENGINES.items() if e.pauses)
-        out.append(f"async_training.partial_rollout=true pauses generations at a weight push, which "
-                   f"{_ROLLOUT}.name={engine} cannot (engines that can: {pauses}); set partial_rollout=false: "
-                   "the push then waits for the batches in flight")
     return out
 
 

@@ -5,6 +5,7 @@ the transformers engine in processes of its own)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import re
@@ -105,19 +106,18 @@ def test_asynchronous_modes_config():
     assert sync.layout.rollout_world_size == 2
 
 
-def test_vllm_generates_in_a_pool_of_its_own_without_partial_rollout():
+def test_vllm_generates_in_a_pool_of_its_own():
     """The 30B recipes (vLLM-Ascend) take the split: vLLM's ranks are the rollout pool's, TP x DP its
-    devices; partial rollout needs an engine that pauses between tokens, which vLLM's is not here."""
+    devices, with partial rollout too (the engine votes on a pause between its steps)."""
     split = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=2",
              "actor_rollout_ref.rollout.n_gpus_per_node=16"]
     cfg = load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=one_step_off"])
     rollout = cfg.layout.rollout
     assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.layout.rollout_world_size == 32 == rollout.tp * rollout.dp
     assert load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=fully_async"]).async_training.sync_every == 4
-    with pytest.raises(ConfigError, match=r"partial_rollout=true pauses generations at a weight push, which "
-                                          r"actor_rollout_ref.rollout.name=vllm cannot \(engines that can: hf\); set "
-                                          r"partial_rollout=false"):
-        load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=fully_async", "async_training.partial_rollout=true"])
+    partial = load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=fully_async",
+                                                 "async_training.partial_rollout=true"])
+    assert partial.async_training.partial_rollout and partial.actor_rollout_ref.rollout.name == "vllm"
 
 
 @pytest.mark.parametrize("overrides, sync_every, max_staleness", [
@@ -321,8 +321,10 @@ def test_a_paused_and_continued_generation_is_the_uninterrupted_one(tmp_path):
     assert paused.finish_reasons == ["paused", "paused", "stop"]
     assert [len(t) for t in paused.token_ids[:2]] == [tokens_before] * 2
 
-    continued = resume(engine, PROMPTS, params, paused)
+    assert paused.paused and not whole.paused
+    continued = resume(engine, PROMPTS, ids, params, paused)
     assert continued.token_ids == whole.token_ids and continued.finish_reasons == whole.finish_reasons
+    assert not continued.paused
     assert all(torch.equal(a, b) for a, b in zip(continued.routed_experts, whole.routed_experts))
     assert continued.log_probs[2] == whole.log_probs[2]
     for got, expected, prompt in zip(continued.log_probs[:2], whole.log_probs, PROMPTS):
@@ -330,6 +332,70 @@ def test_a_paused_and_continued_generation_is_the_uninterrupted_one(tmp_path):
         expected = torch.tensor(expected[tokens_before:])
         torch.testing.assert_close(torch.tensor(got[tokens_before:]), expected, rtol=0,
                                    atol=log_prob_tolerance(TINY_SPEC, expected, len(prompt) + len(got)))
+
+
+def test_token_budgets_per_request_cut_the_responses_where_they_end(tmp_path):
+    """``max_tokens`` per prompt (a continued request's rest of its budget): each response is the
+    uniform run's up to its own budget, "length" there, unless a stop token came first."""
+    from megatron_bridge.tiny_model import save_tiny_checkpoint
+    from recipe.rollout.base import SamplingParams
+    from recipe.rollout.hf_engine import HFEngine
+    from tests.test_rollout_hf import PROMPTS
+
+    engine = HFEngine(save_tiny_checkpoint(tmp_path, 0), load_from_checkpoint=True)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
+    whole = engine.generate(PROMPTS, params, request_ids=[0, 1, 2])
+    cut = engine.generate(PROMPTS, params, request_ids=[0, 1, 2], max_tokens=[3, 12, 7])
+    for budget, full, got, reason, full_reason in zip([3, 12, 7], whole.token_ids, cut.token_ids, cut.finish_reasons,
+                                                      whole.finish_reasons):
+        assert got == full[:budget]
+        assert reason == ("stop" if full_reason == "stop" and len(full) <= budget else "length")
+    assert [len(t) for t in cut.token_ids] == [min(b, len(t)) for b, t in zip([3, 12, 7], whole.token_ids)]
+    with pytest.raises(ValueError, match="2 token budgets for 3 prompts"):
+        engine.generate(PROMPTS, params, max_tokens=[3, 4])
+    with pytest.raises(ValueError, match="a prompt's max_tokens must be >= 1, got 0"):
+        engine.generate(PROMPTS, params, max_tokens=[3, 0, 4])
+
+
+def test_responses_paused_at_different_tokens_continue_without_their_samplers(tmp_path):
+    """vLLM's case: its steps do not keep every request at the same token, and it keeps no sampler
+    across requests. Rows paused after 2 and 5 tokens continue with the rest of their own budgets;
+    greedy, they end exactly as the uninterrupted responses. Sampled, each continues from a seed of
+    its own (the call's seed and the tokens so far): the same on every resume, and the engine's
+    generation of prompt + tokens so far with that seed."""
+    from megatron_bridge.tiny_model import save_tiny_checkpoint
+    from recipe.rollout.base import Generation, SamplingParams, request_seed
+    from recipe.rollout.hf_engine import HFEngine
+    from recipe.rollout.partial import RESUMED, resume
+    from tests.test_rollout_hf import PROMPTS
+
+    engine = HFEngine(save_tiny_checkpoint(tmp_path, 0), load_from_checkpoint=True)
+    ids, at = [7, 8, 9], [2, 5]
+
+    def paused_at(whole: Generation) -> Generation:  # rows 0 and 1 paused at ``at``, row 2 as it ended
+        return Generation(token_ids=[t[:n] for t, n in zip(whole.token_ids, at)] + whole.token_ids[2:],
+                          log_probs=[p[:n] for p, n in zip(whole.log_probs, at)] + whole.log_probs[2:],
+                          finish_reasons=["paused", "paused", whole.finish_reasons[2]], paused=True)
+
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    whole = engine.generate(PROMPTS, greedy, request_ids=ids)
+    continued = resume(engine, PROMPTS, ids, greedy, paused_at(whole))
+    assert continued.token_ids == whole.token_ids and continued.finish_reasons == whole.finish_reasons
+    assert [len(t) for t in continued.token_ids[:2]] == [10, 10] and not continued.paused
+
+    sampled = SamplingParams(temperature=1.0, max_tokens=10, seed=11)
+    whole = engine.generate(PROMPTS, sampled, request_ids=ids)
+    paused = paused_at(whole)
+    continued = resume(engine, PROMPTS, ids, sampled, paused)
+    assert continued == resume(engine, PROMPTS, ids, sampled, paused)
+    seed = request_seed(11, sum(at), stream=RESUMED)
+    for i, n in enumerate(at):
+        rest = engine.generate([PROMPTS[i] + whole.token_ids[i][:n]], dataclasses.replace(sampled, seed=seed),
+                               request_ids=[ids[i]], max_tokens=[10 - n])
+        assert continued.token_ids[i] == whole.token_ids[i][:n] + rest.token_ids[0]
+        assert continued.log_probs[i][:n] == whole.log_probs[i][:n]
+        assert continued.finish_reasons[i] == rest.finish_reasons[0]
+    assert continued.token_ids[2] == whole.token_ids[2]
 
 
 def test_a_pause_holds_the_generation_queued_behind_the_running_one(tmp_path):
@@ -545,7 +611,8 @@ def test_fully_async_require_batches_trains_each_step_on_two_generation_batches_
 @pytest.mark.slow
 def test_fully_async_partial_rollout_continues_the_batches_in_flight_under_the_pushed_weights(tmp_path, fresh_ray):
     """T = 1, K = 2 (staleness_threshold 2) with partial_rollout and R3: rollout rank 0's decoding
-    slowed (0.3 s a token), so each push finds two batches in flight on it, one generating and one
+    slowed (0.5 s a token, so that a trainer slowed by other work on the machine still outpaces
+    it), so each push finds two batches in flight on it, one generating and one
     queued. The push pauses the first and holds the second, the weights go out and both go on under
     them: steps 2-4 train on batches whose tokens come from several versions (a mean strictly below
     the max), none more than K behind, K reached, and the routes recorded across the swaps replay
@@ -556,7 +623,7 @@ def test_fully_async_partial_rollout_continues_the_batches_in_flight_under_the_p
     trainer = _trainer(tmp_path, "partial", run)
     try:
         assert trainer.cfg.async_training.max_staleness == 2
-        _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.3)
+        _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.5)
         metrics = [trainer.train_step(step) for step in (1, 2, 3, 4)]
     finally:
         trainer.close()

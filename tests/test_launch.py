@@ -406,11 +406,10 @@ def test_the_30b_launcher_splits_training_and_vllm_rollout_nodes(tmp_path):
     assert "training: 2 x 16 npu, the head first; rollout: 2 x 16 npu on 2 other node(s)" in out.stdout
     assert "rollout pool: 2 x 16 npu = 32 devices of its own (hybrid_engine=false)" in out.stdout
     assert "--expect 4 " in out.stdout and "async_training.mode=one_step_off" in out.stdout
-    # partial rollout pauses generations between tokens, which the vLLM engine cannot: said before anything starts
     out = launch(GSPO_30B, tmp_path, ["--dry-run", "async_training.mode=fully_async", "async_training.partial_rollout=true"],
                  ROLLOUT_NNODES="2", ROLLOUT_NPUS_PER_NODE="16", MASTER_ADDR="10.0.0.1", NODE_ROLE="head")
-    assert out.returncode == 2 and "actor_rollout_ref.rollout.name=vllm cannot" in out.stderr
-    assert "nothing was started" in out.stderr
+    assert out.returncode == 0, out.stderr
+    assert "async_training.partial_rollout=true" in out.stdout
 
 
 def test_port_in_use_fails_before_ray_starts(tmp_path):

@@ -184,6 +184,7 @@ def test_sampling_params_map_to_vllm_kwargs():
         "logprobs": 0,
         "detokenize": False,
     }
+    assert ve.vllm_sampling_kwargs(params, index=1, max_tokens=3)["max_tokens"] == 3  # a continued request's rest
     greedy = ve.vllm_sampling_kwargs(SamplingParams(temperature=0, max_tokens=5))
     assert (greedy["temperature"], greedy["top_k"], greedy["top_p"], greedy["seed"], greedy["stop_token_ids"]) == (0, -1, 1.0, None, [])
 
@@ -208,13 +209,13 @@ def test_tokenizer_init_is_skipped_only_without_tokenizer_files(tiny_dir, tmp_pa
 def test_model_eos_ids_and_prompt_checks(tiny_dir):
     assert vs.model_eos_token_ids(tiny_dir) == {2}
     limit = "engine's max_model_len"
-    check_prompts(PROMPTS, 16, vocab_size=512, max_len=64, limit=limit)
+    check_prompts(PROMPTS, [16] * len(PROMPTS), vocab_size=512, max_len=64, limit=limit)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        check_prompts([[1], []], 4, 512, 64, limit)
+        check_prompts([[1], []], [4, 4], 512, 64, limit)
     with pytest.raises(ValueError, match=r"prompt 0 has token id 512 outside the vocabulary \[0, 512\)"):
-        check_prompts([[3, 512]], 4, 512, 64, limit)
+        check_prompts([[3, 512]], [4], 512, 64, limit)
     with pytest.raises(ValueError, match="prompt 0: 9 tokens \\+ max_tokens 60 exceed the engine's max_model_len 64"):
-        check_prompts([PROMPTS[1]], 60, 512, 64, limit)
+        check_prompts([PROMPTS[1]], [60], 512, 64, limit)
 
 
 # -- output conversion (stand-ins with vLLM's attribute names) -----------------------------------
@@ -262,6 +263,30 @@ def test_bad_outputs_raise(broken, message):
     broken(c)
     with pytest.raises(RuntimeError, match=message):
         ve.to_generation([request(PROMPTS[0], c)], PROMPTS[:1])
+
+
+def delta(request_id, new, so_far, log_probs, reason=None):
+    """A step's output in RequestOutputKind.DELTA: the new tokens, and the log-probs as vLLM slices
+    them from the request's list so far (``so_far``, ``log_probs``): all of it when nothing is new."""
+    steps = completion(so_far, log_probs, reason).logprobs
+    c = completion(new, [], reason)
+    c.logprobs = steps[-len(new):] if new else steps
+    return SimpleNamespace(request_id=request_id, outputs=[c], finished=reason is not None)
+
+
+def test_step_outputs_gather_per_request_and_a_pause_returns_them_so_far():
+    """The pausable loop's deltas: each request's tokens and log-probs gathered over the steps in
+    request order, whatever order the steps report them in; a request vLLM finished keeps its
+    reason, one still running at the pause comes back "paused" with its tokens so far."""
+    gathered = ve.DeltaOutputs(["a", "b", "c"], PROMPTS)
+    gathered.add([delta("b", [30], [30], [-2.0]), delta("a", [10], [10], [-0.5])])
+    gathered.add([delta("a", [11, 2], [10, 11, 2], [-0.5, -1.25, -0.125], reason="stop"),
+                  delta("b", [], [30], [-2.0]),  # no new token this step: nothing added
+                  delta("c", [40], [40], [-0.25])])
+    assert gathered.unfinished() == ["b", "c"]
+    generation = ve.to_generation(gathered.outputs(), PROMPTS)
+    assert generation == Generation(token_ids=[[10, 11, 2], [30], [40]], log_probs=[[-0.5, -1.25, -0.125], [-2.0], [-0.25]],
+                                    finish_reasons=["stop", "paused", "paused"])
 
 
 def test_outputs_with_routed_experts_become_a_generation():
@@ -588,3 +613,44 @@ def test_real_engine_in_a_rollout_pool_of_its_own_never_sleeps(tiny_dir, tmp_pat
         expected = greedy_reference(reference, prompt, 8)
         stop = next((k + 1 for k, t in enumerate(expected) if t == 2), len(expected))
         assert tokens == expected[:stop]
+
+
+def _pool_engine_paused(rank, world_size, model_dir, files):
+    """A pausable engine (partial rollout): greedy responses whole, with per-request budgets, and
+    paused in their third step then continued; its own process."""
+    from recipe.rollout import ENGINES
+    from recipe.rollout.base import EngineArgs
+    from recipe.rollout.partial import resume
+
+    engine = ENGINES["vllm"].build(EngineArgs(
+        model_dir=model_dir, dtype=torch.float32, platform="cuda", rollout=RolloutParallel(dp=1, gpu_memory_utilization=0.3),
+        max_model_len=256, seed=0, return_routed_experts=False, engine_kwargs={"enforce_eager": True}, colocated=False,
+        pausable=True))
+    engine.load_weights((name, t) for path in files for name, t in load_file(path).items())
+    params, ids = SamplingParams(temperature=0, max_tokens=8), [0, 1, 2]
+    whole = engine.generate(PROMPTS, params, request_ids=ids)
+    budgets = engine.generate(PROMPTS, params, request_ids=ids, max_tokens=[2, 5, 8])
+    steps = iter(range(1, 100))
+    hook = engine.model.register_forward_pre_hook(lambda *_: engine.pause() if next(steps) == 3 else None)
+    paused = engine.generate(PROMPTS, params, request_ids=ids)
+    hook.remove()
+    continued = resume(engine, PROMPTS, ids, params, paused)
+    return {"whole": whole.token_ids, "budgets": budgets.token_ids, "paused": paused.token_ids,
+            "paused_reasons": paused.finish_reasons, "was_paused": paused.paused,
+            "continued": continued.token_ids, "continued_reasons": continued.finish_reasons,
+            "whole_reasons": whole.finish_reasons}
+
+
+@pytest.mark.gpu
+def test_real_engine_pauses_between_steps_and_continues_where_it_stopped(tiny_dir, tmp_path):
+    """Partial rollout on vLLM: a pause in the third step stops the unfinished requests there (aborted
+    in vLLM, 3 tokens each), and continued with the rest of their budgets under the same weights
+    they end as the uninterrupted greedy responses."""
+    pytest.importorskip("vllm")
+    files = sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors")))
+    (r,) = run_ranks(_pool_engine_paused, 1, tmp_path, str(tiny_dir), files, platform_name="cuda")
+    assert r["budgets"] == [t[:n] for t, n in zip(r["whole"], [2, 5, 8])]
+    assert r["was_paused"] and "paused" in r["paused_reasons"]
+    for tokens, reason, whole in zip(r["paused"], r["paused_reasons"], r["whole"]):
+        assert tokens == whole[:len(tokens)] and (reason != "paused" or len(tokens) == 3)
+    assert r["continued"] == r["whole"] and r["continued_reasons"] == r["whole_reasons"]

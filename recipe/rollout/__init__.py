@@ -21,16 +21,14 @@ class Engine:
     module: str  # imported only to build the engine: it may import vllm
     devices: tuple[str, ...]  # the platforms it runs on
     expert_parallel: bool  # shards the experts over the rollout's EP ranks, each receiving only its own
-    # stops a generation between tokens on request (``pause``), which partial rollout needs
-    pauses: bool
 
     def build(self, args: EngineArgs) -> RolloutEngine:
         return importlib.import_module(self.module).build(args)
 
 
 ENGINES = {
-    "hf": Engine("recipe.rollout.hf_engine", devices=("cpu",), expert_parallel=False, pauses=True),
-    "vllm": Engine("recipe.rollout.vllm_engine", devices=("cuda", "npu"), expert_parallel=True, pauses=False),
+    "hf": Engine("recipe.rollout.hf_engine", devices=("cpu",), expert_parallel=False),
+    "vllm": Engine("recipe.rollout.vllm_engine", devices=("cuda", "npu"), expert_parallel=True),
 }
 
 

@@ -58,10 +58,23 @@ def request_seed(seed: int | None, index: int, stream: int = 0) -> int | None:
     return (x * 0x94D049BB133111EB) & _MASK
 
 
-def check_prompts(prompts: list[list[int]], max_tokens: int, vocab_size: int, max_len: int, limit: str) -> None:
+def token_budgets(prompts: list[list[int]], params: SamplingParams, max_tokens: Sequence[int] | None) -> list[int]:
+    """Each prompt's response token budget: ``max_tokens`` per prompt where given (a continued
+    request's rest of its budget), else ``params.max_tokens``."""
+    if max_tokens is None:
+        return [params.max_tokens] * len(prompts)
+    if len(max_tokens) != len(prompts):
+        raise ValueError(f"{len(max_tokens)} token budgets for {len(prompts)} prompts")
+    bad = [n for n in max_tokens if n < 1]
+    if bad:
+        raise ValueError(f"a prompt's max_tokens must be >= 1, got {bad[0]}")
+    return list(max_tokens)
+
+
+def check_prompts(prompts: list[list[int]], budgets: list[int], vocab_size: int, max_len: int, limit: str) -> None:
     """What every engine refuses, with the prompt's index: empty prompts, ids outside the
-    vocabulary, prompt + max_tokens beyond the engine's length limit (named by ``limit``)."""
-    for i, prompt in enumerate(prompts):
+    vocabulary, prompt + its token budget beyond the engine's length limit (named by ``limit``)."""
+    for i, (prompt, max_tokens) in enumerate(zip(prompts, budgets)):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty")
         bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -79,6 +92,9 @@ class Generation:
     log_probs: list[list[float]]  # one per response token (see the module doc)
     # "stop" (EOS / stop token), "length", or "paused" (stopped by the engine's pause(), to be continued)
     finish_reasons: list[str] = field(default_factory=list)
+    # the call ended at the engine's pause(); with an engine whose ranks decode together (vLLM) a
+    # rank may have no row left to continue, yet takes part in the continuation (recipe.rollout.partial)
+    paused: bool = False
     # with routing reported: per response, [prompt + response - 1 tokens, layers, k] int16 expert ids,
     # ascending, from the first prompt token on; the last response token is never fed to the model
     routed_experts: list[torch.Tensor] | None = None
@@ -102,6 +118,8 @@ class EngineArgs:
     # shares its devices with the training ranks, taking turns through sleep / wake_up; False: a
     # rollout pool of its own (actor_rollout_ref.hybrid_engine=false), whose engines never sleep
     colocated: bool = True
+    # partial rollout (async_training.partial_rollout): pause() must stop a generation between tokens
+    pausable: bool = False
 
 
 @dataclass
@@ -112,10 +130,19 @@ class LoadStats:
 
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None) -> Generation:
+                 request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None) -> Generation:
         """One response per prompt; a stop or EOS token that ended a response is its last token.
+        ``max_tokens``: per prompt, instead of ``params.max_tokens``.
         With a parallel engine this is a collective: the ranks of one TP group pass the same
         prompts, and every DP rank calls it (with its own prompts, possibly none)."""
+
+    def pause(self) -> None:
+        """Partial rollout: stop the generation running now (called from another thread) after the
+        current token; its unfinished responses come back with finish reason "paused"."""
+
+    def agree(self, flag: bool) -> bool:
+        """``flag`` as every rank of the engine agrees on it (true if true on any rank), where the
+        ranks decode together; an engine whose ranks are independent answers its own."""
 
     def load_weights(self, weights: WeightStream) -> LoadStats:
         """Replace the model's weights from a stream of Hub-format tensors. A stream that does not

@@ -51,6 +51,7 @@ from recipe.rollout.base import (
     WeightStream,
     check_prompts,
     request_seed,
+    token_budgets,
 )
 
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -166,21 +167,27 @@ class HFEngine:
         A generation that starts later clears the request, so one that came too late stops nothing."""
         self._pause.set()
 
+    def agree(self, flag: bool) -> bool:
+        """Each rank's engine generates on its own: its own flag."""
+        return flag
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None,
+                 request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
                  generators: Sequence[torch.Generator] | None = None) -> Generation:
         """One response per prompt. With a seed, each request samples from its own generator
         (seeded by the seed and its request id, default its index), so a response does not depend
-        on which other prompts share the batch or the engine. ``generators``: the requests' own,
-        as a paused generation returned them, to continue their samples instead of seeding anew."""
+        on which other prompts share the batch or the engine. ``max_tokens``: per prompt, instead
+        of ``params.max_tokens``. ``generators``: the requests' own, as a paused generation
+        returned them, to continue their samples instead of seeding anew."""
         self._pause.clear()
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
         if not prompts:
             return Generation(token_ids=[], log_probs=[], finish_reasons=[], routed_experts=[] if self.routing else None,
                               generators=[])
-        check_prompts(prompts, params.max_tokens, self.config.vocab_size, self.config.max_position_embeddings,
+        budgets = token_budgets(prompts, params, max_tokens)
+        check_prompts(prompts, budgets, self.config.vocab_size, self.config.max_position_embeddings,
                       "model's max_position_embeddings")
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.zeros(batch, width, dtype=torch.long)
@@ -204,14 +211,15 @@ class HFEngine:
             sorted(self.eos_token_ids | set(params.stop_token_ids)), dtype=torch.long, device=self.device
         )
 
-        tokens = torch.empty(batch, params.max_tokens, dtype=torch.long, device=self.device)
-        log_probs = torch.empty(batch, params.max_tokens, dtype=torch.float32, device=self.device)
-        lengths = torch.full((batch,), params.max_tokens, device=self.device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        steps = max(budgets)
+        tokens = torch.empty(batch, steps, dtype=torch.long, device=self.device)
+        log_probs = torch.empty(batch, steps, dtype=torch.float32, device=self.device)
+        lengths = torch.tensor(budgets, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)  # by a stop token
         paused = False
         cache = DynamicCache(config=self.config)
         fed_routing = []  # per model call: [batch, tokens fed, layers, k]
-        for step in range(params.max_tokens):
+        for step in range(steps):
             logits = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -225,13 +233,14 @@ class HFEngine:
             token, log_prob = _sample(logits.float(), params, generators)
             tokens[:, step], log_probs[:, step] = token, log_prob
             # finished rows go on decoding (keeps the batch rectangular); their tail is cut below
-            newly = ~stopped & torch.isin(token, stop_ids)
+            newly = ~stopped & (step < lengths) & torch.isin(token, stop_ids)
             lengths[newly] = step + 1
             stopped |= newly
-            if bool(stopped.all()):
+            going = ~stopped & (lengths > step + 1)
+            if not bool(going.any()):
                 break
-            if self._pause.is_set() and step + 1 < params.max_tokens:
-                lengths[~stopped] = step + 1
+            if self._pause.is_set():
+                lengths[going] = step + 1
                 paused = True
                 break
             input_ids = token[:, None]
@@ -246,7 +255,9 @@ class HFEngine:
         return Generation(
             token_ids=[row[:n] for row, n in zip(tokens.tolist(), lengths)],
             log_probs=[row[:n] for row, n in zip(log_probs.tolist(), lengths)],
-            finish_reasons=["stop" if s else "paused" if paused else "length" for s in stopped.tolist()],
+            finish_reasons=["stop" if s else "paused" if paused and g else "length"
+                            for s, g in zip(stopped.tolist(), going.tolist())],
+            paused=paused,
             routed_experts=routed,
             generators=list(generators) if len(generators) == batch else generators * batch,  # per request
         )

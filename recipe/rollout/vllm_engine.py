@@ -39,11 +39,14 @@ API facts relied on (vllm-project/vllm, vllm-project/vllm-ascend; versions as no
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
 import sys
+import threading
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -59,7 +62,9 @@ from recipe.rollout.base import (
     WeightStream,
     check_prompts,
     request_seed,
+    token_budgets,
 )
+from recipe.rollout.partial import PAUSED
 from recipe.rollout.vllm_setup import (
     LOGPROBS_MODE,
     VLLM_VERSION,
@@ -100,15 +105,17 @@ def stream_seed(seed: int, rank: int, tp: int) -> int:
 
 
 def vllm_sampling_kwargs(
-    params: SamplingParams, *, eos_token_ids: Sequence[int] = (), index: int = 0, stream: int = 0
+    params: SamplingParams, *, eos_token_ids: Sequence[int] = (), index: int = 0, stream: int = 0,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments for request ``index`` (one response per prompt)."""
+    """``vllm.SamplingParams`` keyword arguments for request ``index`` (one response per prompt);
+    ``max_tokens`` overrides ``params.max_tokens`` (a continued request's rest of its budget)."""
     return {
         "n": 1,  # the recipe repeats prompts itself
         "temperature": params.temperature,  # 0: greedy
         "top_p": params.top_p,
         "top_k": params.top_k,  # -1 (and 0 in vLLM >= 0.10.2): off
-        "max_tokens": params.max_tokens,
+        "max_tokens": params.max_tokens if max_tokens is None else max_tokens,
         "seed": request_seed(params.seed, index, stream),
         # the model's EOS ids explicitly: without a tokenizer vLLM only knows generation_config's
         "stop_token_ids": sorted(set(params.stop_token_ids) | set(eos_token_ids)),
@@ -150,7 +157,7 @@ def to_generation(outputs: Sequence[Any], prompts: Sequence[Sequence[int]] | Non
             raise RuntimeError(f"request {i}: no log-probs (SamplingParams.logprobs must be 0)")
         if len(steps) != len(ids):
             raise RuntimeError(f"request {i}: {len(steps)} log-prob entries for {len(ids)} tokens")
-        if completion.finish_reason not in ("stop", "length"):
+        if completion.finish_reason not in ("stop", "length", PAUSED):
             raise RuntimeError(f"request {i} finished with {completion.finish_reason!r}, not 'stop' or 'length'")
         token_ids.append(ids)
         log_probs.append([_sampled_log_prob(step, t, f"request {i} token {k}") for k, (step, t) in enumerate(zip(steps, ids))])
@@ -171,6 +178,37 @@ def _routed_experts(completion: Any, tokens: int, i: int) -> torch.Tensor:
     if table.dim() != 3 or table.shape[0] < tokens:
         raise RuntimeError(f"request {i}: routed_experts has shape {tuple(table.shape)}, expected [>= {tokens}, layers, k]")
     return table[:tokens].sort(dim=-1).values.to(torch.int16)
+
+
+class DeltaOutputs:
+    """The responses of requests run step by step (``RequestOutputKind.DELTA``: each step's
+    ``RequestOutput`` holds the request's new tokens and their log-probs only), gathered per request
+    so that a pause can return what each has so far."""
+
+    def __init__(self, request_ids: Sequence[str], prompts: Sequence[Sequence[int]]):
+        self.prompts = dict(zip(request_ids, prompts))
+        self.tokens: dict[str, list[int]] = {r: [] for r in request_ids}
+        self.log_probs: dict[str, list[Any]] = {r: [] for r in request_ids}
+        self.reasons: dict[str, str | None] = dict.fromkeys(request_ids)
+
+    def add(self, step_outputs: Sequence[Any]) -> None:
+        for out in step_outputs:
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            self.tokens[out.request_id] += new
+            # vLLM slices a delta's log-probs as [-len(new):], which is everything when nothing is new
+            self.log_probs[out.request_id] += list(completion.logprobs or [])[-len(new):] if new else []
+            if out.finished:
+                self.reasons[out.request_id] = completion.finish_reason
+
+    def unfinished(self) -> list[str]:
+        return [r for r, reason in self.reasons.items() if reason is None]
+
+    def outputs(self) -> list[SimpleNamespace]:
+        """In request order, as ``to_generation`` reads vLLM's outputs; the unfinished ones paused."""
+        return [SimpleNamespace(prompt_token_ids=self.prompts[r], outputs=[SimpleNamespace(
+                    token_ids=self.tokens[r], logprobs=self.log_probs[r], finish_reason=reason or PAUSED)])
+                for r, reason in self.reasons.items()]
 
 
 # -- vLLM's model runner (pure) -----------------------------------------------------------------
@@ -276,6 +314,7 @@ class VLLMEngine:
         process_after_load: bool | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         return_routed_experts: bool = False,
+        pausable: bool = False,
     ):
         if platform is None:
             from megatron_bridge.runtime.platform import active
@@ -321,6 +360,11 @@ class VLLMEngine:
         world, rank = dist.get_world_size(), dist.get_rank()
         check_rollout_parallel(rollout, world)
         self.stream = rank // rollout.tp  # this engine's DP rank, shared by its TP group
+        # partial rollout: the ranks agree on a pause over the host (a pause reaches each rank's
+        # thread at its own moment, while all must leave vLLM's lockstep at the same step)
+        self._pause = threading.Event()
+        self._agreement = dist.new_group(backend="gloo") if pausable else None
+        self._requests = itertools.count()
 
         import vllm
         from vllm.inputs import TokensPrompt
@@ -422,12 +466,31 @@ class VLLMEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
+    def pause(self) -> None:
+        """Stop the generation running now (called from another thread) after the step every rank
+        takes next; its unfinished requests are aborted in vLLM and come back with what they have,
+        finish reason "paused". Only a ``pausable`` engine checks between steps; a generation that
+        starts later clears the request."""
+        self._pause.set()
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank if true on any (a pausable engine's ranks; otherwise this rank's flag).
+        A collective of all the rollout's ranks."""
+        if self._agreement is None:
+            return flag
+        import torch.distributed as dist
+
+        vote = torch.tensor([int(flag)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._agreement)
+        return bool(vote.item())
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None) -> Generation:
+                 request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None) -> Generation:
         """One response per prompt, in order. A collective: the ranks of one TP group pass the same
         prompts; with DP > 1 every DP rank calls it (with its own prompts, possibly none).
         ``request_ids`` (global numbers of the requests) make each request's sample independent of
-        which DP rank serves it."""
+        which DP rank serves it; ``max_tokens``: per prompt, instead of ``params.max_tokens``."""
+        self._pause.clear()
         if self._asleep:
             raise RuntimeError(f"engine is asleep ({', '.join(sorted(self._asleep))}); call wake_up() first")
         if not self._weights_valid:
@@ -435,12 +498,13 @@ class VLLMEngine:
                 "vLLM holds no complete weights (random dummy weights, a level-2 sleep, or a load_weights that "
                 "failed midway): load_weights a complete stream first"
             )
-        check_prompts(prompts, params.max_tokens, self.vocab_size, self.max_model_len, "engine's max_model_len")
+        budgets = token_budgets(prompts, params, max_tokens)
+        check_prompts(prompts, budgets, self.vocab_size, self.max_model_len, "engine's max_model_len")
         if not prompts and self.rollout.dp == 1:
             return Generation(token_ids=[], log_probs=[], finish_reasons=[])
         sampling = [
             self._vllm.SamplingParams(**vllm_sampling_kwargs(
-                params, eos_token_ids=self.eos_token_ids,
+                params, eos_token_ids=self.eos_token_ids, max_tokens=budgets[i],
                 **({"index": i, "stream": self.stream} if request_ids is None else {"index": request_ids[i]})))
             for i in range(len(prompts))
         ]
@@ -449,11 +513,39 @@ class VLLMEngine:
         self._rng.set_rng_state(self._gen_rng_state)
         try:
             # with DP > 1 a rank without prompts still steps with the others (vLLM's dummy batches)
-            outputs = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False)
+            if self._agreement is None:
+                outputs, paused = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False), False
+            else:
+                outputs, paused = self._generate_pausable(inputs, sampling)
         finally:
             self._gen_rng_state = self._rng.get_rng_state()
             self._rng.set_rng_state(trainer_state)
-        return to_generation(outputs, prompts, routed_experts=self.return_routed_experts)
+        generation = to_generation(outputs, prompts, routed_experts=self.return_routed_experts)
+        generation.paused = paused
+        return generation
+
+    def _generate_pausable(self, inputs: list[Any], sampling: list[Any]) -> tuple[list[Any], bool]:
+        """``LLM.generate``'s loop (``LLM._run_engine``: ``step`` while ``has_unfinished_requests``,
+        which with DP > 1 keeps the DP ranks stepping together) with the ranks' vote on a pause
+        before each step; at a pause the unfinished requests are aborted (vLLM frees their KV
+        cache) and come back with their tokens so far. The requests stream their new tokens
+        (``RequestOutputKind.DELTA``) so that those are at hand at any step."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        ids = [f"partial-{next(self._requests)}" for _ in inputs]
+        for request_id, prompt, sp in zip(ids, inputs, sampling):
+            sp.output_kind = RequestOutputKind.DELTA
+            engine.add_request(request_id, prompt, sp)
+        outputs = DeltaOutputs(ids, [p["prompt_token_ids"] for p in inputs])
+        paused = False
+        while engine.has_unfinished_requests():
+            if self.agree(self._pause.is_set()):
+                paused = True
+                engine.abort_request(outputs.unfinished())
+                break
+            outputs.add(engine.step())
+        return outputs.outputs(), paused
 
     # -- colocated mode -----------------------------------------------------------------------
 
@@ -494,4 +586,5 @@ def build(args: EngineArgs) -> VLLMEngine:
     """``recipe.rollout.ENGINES``'s entry."""
     return VLLMEngine(args.model_dir, args.rollout, platform=args.platform, dtype=args.dtype,
                       max_model_len=args.max_model_len, seed=args.seed, enable_sleep_mode=args.colocated,
-                      return_routed_experts=args.return_routed_experts, engine_kwargs=args.engine_kwargs)
+                      return_routed_experts=args.return_routed_experts, engine_kwargs=args.engine_kwargs,
+                      pausable=args.pausable)

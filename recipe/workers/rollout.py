@@ -27,6 +27,7 @@ class RolloutWorker:
             max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
             return_routed_experts=rollout.enable_rollout_routing_replay,
             engine_kwargs=rollout.engine_kwargs.get(rollout.name), colocated=colocated,
+            pausable=cfg.async_training.partial_rollout,
         ))
         self.holding = False  # a pause came and the new weights have not: generations wait
         # what resume() continues, by the key of the generation call: (prompts, request ids, params,
@@ -37,7 +38,9 @@ class RolloutWorker:
                  key: int | None = None) -> tuple[Generation, float]:
         """The engine's responses, and the seconds they took here (the driver's clock would count
         the time the call waited, too). ``key`` names the call for ``resume``."""
-        if self.holding and key is not None:  # queued behind a paused generation: it starts after the push
+        # queued behind a paused generation: it starts after the push (on every rank of an engine
+        # whose ranks decode together, if the pause has reached any of them)
+        if key is not None and self.engine.agree(self.holding):
             self.paused[key] = prompts, request_ids, params, None
             return partial.held(len(prompts)), 0.0
         start = time.perf_counter()
@@ -66,13 +69,13 @@ class RolloutWorker:
         if paused is None:  # held before it started
             return self.generate(prompts, request_ids, params, key)
         start = time.perf_counter()
-        out = partial.resume(self.engine, prompts, params, paused)
+        out = partial.resume(self.engine, prompts, request_ids, params, paused)
         return self._kept(key, prompts, request_ids, params, out), time.perf_counter() - start
 
     def _kept(self, key: int | None, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
               out: Generation) -> Generation:
         """``out`` as it leaves the process; kept here for ``resume``, samplers included, if paused."""
-        if key is not None and partial.paused_rows(out):
+        if key is not None and out.paused:
             self.paused[key] = prompts, request_ids, params, out
         return dataclasses.replace(out, generators=None)
 
