@@ -29,7 +29,7 @@ setup(
     packages=find_packages(include=["loss", "megatron_bridge", "megatron_bridge.*", "recipe", "recipe.*"]),
     install_requires=CORE,
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
         # MindSpeed is installed from its git source and vllm-ascend per its version table
         # (README, "Install on Ascend"); torch_npu must match torch 2.7.1.
         "npu": ["torch==2.7.1", "torch_npu==2.7.1"],
