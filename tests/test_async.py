@@ -731,12 +731,12 @@ def test_a_rollout_rank_that_hangs_in_generation_fails_the_wait_for_its_batch(tm
     """Rollout rank 1 never answers step 3's generation (sent off during step 2): the wait for that
     batch ends after async_training.wait_rollout_timeout_s with one line naming the rank, exit 1, and
     the last checkpoint stays the one to resume from."""
-    run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1", "async_training.wait_rollout_timeout_s=5"]
+    run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1", "async_training.wait_rollout_timeout_s=10"]
     status, message, node = _failed_run(tmp_path, "hangs", run, lambda trainer: _plant(
         trainer.rollout_workers.workers[1], "rollout.generate", 3, "stall"))
     assert status == 1
-    assert message[0] == (f"error: no batch from the rollout pool within async_training.wait_rollout_timeout_s=5 s: "
-                          f"rollout worker rank 1 on node {node} did not answer generation within 5 s (hung, or "
+    assert message[0] == (f"error: no batch from the rollout pool within async_training.wait_rollout_timeout_s=10 s: "
+                          f"rollout worker rank 1 on node {node} did not answer generation within 10 s (hung, or "
                           "generating slower than that: then raise it)"), message
     checkpoint = tmp_path / "hangs" / "checkpoints" / "global_step_1"
     assert message[1:] == [f"  (in step 2; last completed step: 1; a re-run resumes from {checkpoint} (step 1))"]
