@@ -288,6 +288,8 @@ class VLLMEngine:
     ``actor_rollout_ref.rollout``); the two keyword arguments of the same name override it.
     ``engine_kwargs`` passes further ``vllm.LLM`` arguments. ``process_after_load`` runs vLLM's
     ``process_weights_after_loading`` after each sync (default: on NPU, as MindSpeed-RL does).
+    ``pausable`` (partial rollout): ``generate`` runs vLLM's step loop itself and the ranks vote on
+    ``pause`` before each step, so that all stop at the same step (``_generate_pausable``).
 
     Randomness: the ranks of one TP group must draw the same samples. With ``SamplingParams.seed``
     each request gets its own seed (``request_seed``: from the seed, the request's index and the DP
