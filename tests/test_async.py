@@ -145,12 +145,17 @@ class _Pool:
     and holds the rest where they are (queued behind it); its end adds one more."""
 
     def __init__(self, finished):
-        self.finished, self.sent, self.schedule = finished, [], None
+        self.finished, self.sent, self.rounds, self.schedule = finished, [], [], None
 
-    def start(self, step, index):
+    def request(self, step, index):
         """Records (generation batch number over the run, the engines' version)."""
         self.sent.append(((step - 1) * self.schedule.per_step + index + 1, self.schedule.pushed))
-        return PendingRollout([None], 1, refs=[0], key=len(self.sent))  # refs[0]: its tokens so far
+        return self.sent[-1][0]
+
+    def start_generation(self, requests):
+        """The batches sent together, as one round of the rollout ranks."""
+        self.rounds.append(requests)
+        return [PendingRollout([None], 1, refs=[0], key=batch) for batch in requests]  # refs[0]: its tokens so far
 
     def done(self, pending):
         return next(self.finished)
@@ -172,7 +177,7 @@ def _schedule(sync_every, max_staleness, steps, validated, finished, resumed=0, 
     pool's sends. ``ahead``: E, by default the K - (T - 1) of one generation batch per step."""
     pool = _Pool(finished)
     ahead = max_staleness - sync_every + 1 if ahead is None else ahead
-    schedule = pool.schedule = AsyncSchedule(pool, pool.start, steps, sync_every, ahead, step=resumed,
+    schedule = pool.schedule = AsyncSchedule(pool, pool.request, steps, sync_every, ahead, step=resumed,
                                              wait_timeout_s=60, partial_rollout=partial_rollout, per_step=per_step)
     metrics = []
     for step in range(resumed + 1, steps + 1):
@@ -244,13 +249,21 @@ def test_require_batches_each_generation_batch_comes_from_the_first_version_that
 
 def test_batches_the_bound_allows_are_all_sent_at_once():
     """K = 3 (T = 4): while step 1 trains, batches 2-4 wait on the rollout ranks, not one at a time,
-    with partial rollout too (a push pauses the one running and holds the others)."""
+    with partial rollout too (a push pauses the one running and holds the others). They go as one
+    round, which the ranks generate as one engine call, after batch 1, which the step waits for and
+    which goes first, alone; the same after step 4's push, which allows batches 5-8."""
     for partial_rollout in (False, True):
         pool = _Pool(itertools.repeat(False))
-        schedule = pool.schedule = AsyncSchedule(pool, pool.start, 8, 4, 0, step=0, wait_timeout_s=60,
+        schedule = pool.schedule = AsyncSchedule(pool, pool.request, 8, 4, 0, step=0, wait_timeout_s=60,
                                                  partial_rollout=partial_rollout)
         schedule.batch(1)
         assert pool.sent == [(1, 0), (2, 0), (3, 0), (4, 0)]
+        assert pool.rounds == [[1], [2, 3, 4]]
+        for step in range(2, 5):
+            schedule.batch(step)
+        schedule.push(4, dict)
+        schedule.batch(5)
+        assert pool.rounds == [[1], [2, 3, 4], [5], [6, 7, 8]]
 
 
 def test_one_step_off_and_the_synchronous_bound_stalenesses():
@@ -396,6 +409,67 @@ def test_responses_paused_at_different_tokens_continue_without_their_samplers(tm
         assert continued.log_probs[i][:n] == whole.log_probs[i][:n]
         assert continued.finish_reasons[i] == rest.finish_reasons[0]
     assert continued.token_ids[2] == whole.token_ids[2]
+
+
+@pytest.mark.numerics
+def test_a_rank_joins_the_calls_sent_together_and_answers_each_when_it_is_done(tmp_path):
+    """A rollout rank's worker runs the calls the driver sent together (a round) with the same
+    sampling (a step's generation batches) as one engine call: each gets what it gets alone (tokens
+    exactly, log-probs up to rounding); its answer can be taken while the engine is still busy with
+    the others; the calls' seconds add up to the round's. Calls of another sampling (another
+    step's seed) run as engine calls of their own, and an error reaches every call of the round
+    instead of the run."""
+    import threading
+    import time
+
+    from megatron_bridge.tiny_model import save_tiny_checkpoint
+    from recipe.rollout.base import SamplingParams
+    from recipe.workers.rollout import GenerationCall, RolloutWorker
+    from tests.test_rollout_hf import PROMPTS, close
+
+    worker = RolloutWorker(load_config(TINY["gspo"]), save_tiny_checkpoint(tmp_path, 0), torch.float32, "cpu")
+    step = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    alone = [worker.generate(PROMPTS[:2], [0, 1], step)[0], worker.generate(PROMPTS, [2, 3, 4], step)[0]]
+
+    engine_calls, taken = [], threading.Event()
+    generate = worker.engine.generate
+
+    def held_after_the_first_answer(prompts, params, on_part, **kwargs):
+        def part(i, out):
+            on_part(i, out)
+            if i == 0:
+                assert taken.wait(60)
+        engine_calls.append(len(prompts))
+        return generate(prompts, params, on_part=part, **kwargs)
+
+    worker.engine.generate = held_after_the_first_answer
+    calls = [GenerationCall(PROMPTS[:2], [0, 1], step, key=1), GenerationCall(PROMPTS, [2, 3, 4], step, key=2)]
+    start = time.perf_counter()
+    runner = threading.Thread(target=worker.run, args=(calls,))
+    runner.start()
+    first, first_s = worker.result(1)
+    assert not calls[1].answer.done()  # the engine is still at the second call
+    taken.set()
+    second, second_s = worker.result(2)
+    runner.join(60)
+    took = time.perf_counter() - start
+    assert engine_calls == [5] and worker.calls == {} and worker.paused == {}
+    for got, expected, prompts in ((first, alone[0], PROMPTS[:2]), (second, alone[1], PROMPTS)):
+        assert got.token_ids == expected.token_ids and got.finish_reasons == expected.finish_reasons
+        for prompt, a, b in zip(prompts, got.log_probs, expected.log_probs):
+            close(a, torch.tensor(b), len(prompt) + len(a))
+    assert 0 < first_s and 0 < second_s and first_s + second_s <= took
+
+    engine_calls.clear()
+    next_step = dataclasses.replace(step, seed=4)
+    bad = [GenerationCall(PROMPTS, [0, 1, 2], next_step, key=3), GenerationCall([[512]], [0], step, key=4),
+           GenerationCall(PROMPTS, [1, 2, 3], step, key=5)]
+    worker.run(bad)  # answers every call, raises nothing
+    assert engine_calls == [3, 4]  # the other step's alone, then the two of one step joined
+    assert worker.result(3)[0].token_ids == worker.generate(PROMPTS, [0, 1, 2], next_step)[0].token_ids
+    for key in (4, 5):
+        with pytest.raises(ValueError, match=r"prompt 0 has token id 512 outside the vocabulary"):
+            worker.result(key)
 
 
 def test_a_pause_holds_the_generation_queued_behind_the_running_one(tmp_path):
@@ -564,7 +638,7 @@ def test_fully_async_holds_generation_back_to_the_staleness_bound(tmp_path, fres
            "async_training.staleness_threshold=0.5", "trainer.total_training_steps=4", "trainer.test_freq=3"]
     trainer = _trainer(tmp_path, "bounded", run)
     try:
-        _plant(trainer.rollout_workers.workers[0], "rollout.generate", 1, "slow")
+        _plant(trainer.rollout_workers.workers[0], "rollout.run", 1, "slow")
         trainer.fit()
     finally:
         trainer.close()
@@ -702,7 +776,7 @@ def test_a_rollout_rank_that_dies_in_generation_is_named_and_the_run_resumes(tmp
     run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1"]
     # generations from the start: 1 is step 1's batch, 2 step 2's (sent during step 1), 3 step 3's
     status, message, node = _failed_run(tmp_path, "dies", run, lambda trainer: _plant(
-        trainer.rollout_workers.workers[1], "rollout.generate", 3, "exit"))
+        trainer.rollout_workers.workers[1], "rollout.run", 3, "exit"))
     assert status == 1
     assert re.fullmatch(rf"error: rollout worker rank 1 on node {re.escape(node)} died during generation: \w+",
                         message[0]), message
@@ -733,7 +807,7 @@ def test_a_rollout_rank_that_hangs_in_generation_fails_the_wait_for_its_batch(tm
     the last checkpoint stays the one to resume from."""
     run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1", "async_training.wait_rollout_timeout_s=10"]
     status, message, node = _failed_run(tmp_path, "hangs", run, lambda trainer: _plant(
-        trainer.rollout_workers.workers[1], "rollout.generate", 3, "stall"))
+        trainer.rollout_workers.workers[1], "rollout.run", 3, "stall"))
     assert status == 1
     assert message[0] == (f"error: no batch from the rollout pool within async_training.wait_rollout_timeout_s=10 s: "
                           f"rollout worker rank 1 on node {node} did not answer generation within 10 s (hung, or "

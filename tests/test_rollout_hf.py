@@ -213,6 +213,32 @@ def test_request_ids_make_each_sample_independent_of_the_batch(engine):
         engine.generate(PROMPTS, params, request_ids=[1, 2])
 
 
+@pytest.mark.numerics
+def test_joined_calls_give_each_part_back_as_its_last_response_ends(engine):
+    """Two calls joined into one (parts of 2 and 1 rows, as two batches of one step: one seed,
+    request ids running on): each part's responses are those of its call alone (tokens exactly,
+    log-probs up to rounding), given back at the token its last response ends, while the other
+    part decodes on; the whole call returns both, in order."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    given, forwards = [], []
+    hook = engine.model.register_forward_hook(lambda *_: forwards.append(1))
+    whole = engine.generate(PROMPTS, params, request_ids=[0, 1, 2], max_tokens=[3, 4, 12], parts=[2, 1],
+                            on_part=lambda i, out: given.append((i, len(forwards), out)))
+    hook.remove()
+    alone = [engine.generate(PROMPTS[:2], params, request_ids=[0, 1], max_tokens=[3, 4]),
+             engine.generate(PROMPTS[2:], params, request_ids=[2])]
+    assert [i for i, _, _ in given] == [0, 1]
+    for (_, at, part), call, prompts in zip(given, alone, (PROMPTS[:2], PROMPTS[2:])):
+        assert part.token_ids == call.token_ids and part.finish_reasons == call.finish_reasons
+        assert at == max(len(t) for t in call.token_ids)  # the forward pass that made its last token
+        for prompt, got, expected in zip(prompts, part.log_probs, call.log_probs):
+            close(got, torch.tensor(expected), len(prompt) + len(got))
+    assert given[0][1] < given[1][1]
+    assert whole.token_ids == given[0][2].token_ids + given[1][2].token_ids
+    with pytest.raises(ValueError, match=r"parts \[2, 2\] do not split 3 prompts"):
+        engine.generate(PROMPTS, params, parts=[2, 2])
+
+
 def test_stop_token_ends_the_response_with_it(engine):
     greedy = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10)).token_ids[0]
     stop = greedy[5]

@@ -284,6 +284,9 @@ def test_step_outputs_gather_per_request_and_a_pause_returns_them_so_far():
                   delta("b", [], [30], [-2.0]),  # no new token this step: nothing added
                   delta("c", [40], [40], [-0.25])])
     assert gathered.unfinished() == ["b", "c"]
+    assert gathered.finished(["a"]) and not gathered.finished(["a", "c"])
+    part = ve.to_generation(gathered.outputs(["c", "a"]), [PROMPTS[2], PROMPTS[0]])  # a part's rows, in its order
+    assert part.token_ids == [[40], [10, 11, 2]] and part.finish_reasons == ["paused", "stop"]
     generation = ve.to_generation(gathered.outputs(), PROMPTS)
     assert generation == Generation(token_ids=[[10, 11, 2], [30], [40]], log_probs=[[-0.5, -1.25, -0.125], [-2.0], [-0.25]],
                                     finish_reasons=["stop", "paused", "paused"])
@@ -635,7 +638,13 @@ def _pool_engine_paused(rank, world_size, model_dir, files):
     paused = engine.generate(PROMPTS, params, request_ids=ids)
     hook.remove()
     continued = resume(engine, PROMPTS, ids, params, paused)
-    return {"whole": whole.token_ids, "budgets": budgets.token_ids, "paused": paused.token_ids,
+    given, forwards = [], []
+    hook = engine.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    joined = engine.generate(PROMPTS, params, request_ids=ids, max_tokens=[2, 8, 8], parts=[1, 2],
+                             on_part=lambda i, out: given.append([i, len(forwards), out.token_ids]))
+    hook.remove()
+    return {"whole": whole.token_ids, "joined": joined.token_ids, "given": given,
+            "budgets": budgets.token_ids, "paused": paused.token_ids,
             "paused_reasons": paused.finish_reasons, "was_paused": paused.paused,
             "continued": continued.token_ids, "continued_reasons": continued.finish_reasons,
             "whole_reasons": whole.finish_reasons}
@@ -645,7 +654,8 @@ def _pool_engine_paused(rank, world_size, model_dir, files):
 def test_real_engine_pauses_between_steps_and_continues_where_it_stopped(tiny_dir, tmp_path):
     """Partial rollout on vLLM: a pause in the third step stops the unfinished requests there (aborted
     in vLLM, 3 tokens each), and continued with the rest of their budgets under the same weights
-    they end as the uninterrupted greedy responses."""
+    they end as the uninterrupted greedy responses. Two calls joined into one give back each part
+    at the step its last request ends."""
     pytest.importorskip("vllm")
     files = sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors")))
     (r,) = run_ranks(_pool_engine_paused, 1, tmp_path, str(tiny_dir), files, platform_name="cuda")
@@ -654,3 +664,8 @@ def test_real_engine_pauses_between_steps_and_continues_where_it_stopped(tiny_di
     for tokens, reason, whole in zip(r["paused"], r["paused_reasons"], r["whole"]):
         assert tokens == whole[:len(tokens)] and (reason != "paused" or len(tokens) == 3)
     assert r["continued"] == r["whole"] and r["continued_reasons"] == r["whole_reasons"]
+    # a joined call: the first part (2 tokens) given back after its second step, the other at the end
+    first = r["whole"][0][:2]
+    assert r["given"][0] == [0, len(first), [first]]
+    assert r["given"][1][0] == 1 and r["given"][1][1] > len(first) and r["given"][1][2] == r["whole"][1:]
+    assert r["joined"] == [r["whole"][0][:2], *r["whole"][1:]]

@@ -6,10 +6,12 @@ Policy version v is the weights after v updates; step t trains on batch t with v
 batch made under version p is t - 1 - p versions stale. The engines hold the last pushed version
 p, and batch b may be generated under it only while b - 1 - p <= K; a batch past the bound is held
 back until the next push, never generated and dropped. Batches are sent in step order as soon as
-the bound allows, several at once when it allows several (each rollout rank generates them one
-after another), and collected in that order. Before a push the driver collects every batch the
-outgoing version may still make (waiting for them), so a batch is never made by two versions and
-batch b always comes from the first pushed version p with b <= p + K + 1, however fast generation runs.
+the bound allows, all it allows at once as one round (each rollout rank runs a step's batches as
+one engine call and answers each as soon as it is done, ``recipe.workers.rollout``; a step's
+batches not sent yet when it asks for them go first, alone), and collected in that order. Before
+a push the driver collects every batch the outgoing version may still make (waiting for them), so
+a batch is never made by two versions and batch b always comes from the first pushed version p
+with b <= p + K + 1, however fast generation runs.
 
 With ``require_batches`` R > 1 a step's batch is R generation batches, numbered g = R (t - 1) + 1 ...
 R t over the run, joined when the step takes them; the bound counts them: g may be made under p
@@ -41,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from recipe.driver.dispatch import Dispatch, PendingRollout, Rollout
+from recipe.driver.dispatch import Dispatch, GenerationRequest, PendingRollout, Rollout
 from recipe.rollout.partial import PAUSED
 from recipe.workers.group import WorkerTimeoutError
 
@@ -67,15 +69,15 @@ class _Generating:
 
 
 class AsyncSchedule:
-    def __init__(self, dispatch: Dispatch, start: Callable[[int, int], PendingRollout], total_steps: int,
+    def __init__(self, dispatch: Dispatch, request: Callable[[int, int], GenerationRequest], total_steps: int,
                  sync_every: int, batches_ahead: int, step: int, wait_timeout_s: float,
                  partial_rollout: bool = False, per_step: int = 1):
-        """``start(s, i)`` sends the ``i``-th of step s's ``per_step`` generation batches (its prompts, its
-        seeds) to the rollout pool; ``sync_every`` is T, ``batches_ahead`` E (``AsyncTrainingConfig``);
+        """``request(s, i)`` is the ``i``-th of step s's ``per_step`` generation batches (its prompts, its
+        seeds); ``sync_every`` is T, ``batches_ahead`` E (``AsyncTrainingConfig``);
         ``step`` is the last completed step, whose weights the engines hold (a fresh run's 0, a resumed
         run's); a batch not made within ``wait_timeout_s`` of the wait for it fails the run.
         ``partial_rollout``: a push pauses the batch in flight and it goes on under the new weights."""
-        self.dispatch, self.start, self.total_steps = dispatch, start, total_steps
+        self.dispatch, self.request, self.total_steps = dispatch, request, total_steps
         self.wait_timeout_s = wait_timeout_s
         self.sync_every, self.batches_ahead, self.partial_rollout = sync_every, batches_ahead, partial_rollout
         self.per_step = per_step
@@ -90,9 +92,10 @@ class AsyncSchedule:
     def batch(self, step: int) -> Rollout:
         """Step ``step``'s batch, its generation batches joined: made ahead, or generated now (the first
         step of a run or of a resumed run, or a rollout slower than the trainer)."""
-        self._send_allowed()
         first = (step - 1) * self.per_step + 1
         wanted = range(first, first + self.per_step)
+        self._send_allowed(last=wanted[-1])  # not sent yet (a run's first step): alone, the step waits for them
+        self._send_allowed()
         while any(b not in self.made for b in wanted):  # within the bound: the last push is >= step - T
             self._advance()
         return Rollout.concat([self.made.pop(b) for b in wanted])
@@ -151,14 +154,23 @@ class AsyncSchedule:
         return batch <= min(self.per_step * (self.pushed + self.sync_every) + self.batches_ahead,
                             self.per_step * self.total_steps)
 
-    def _send_allowed(self) -> None:
-        """Send the next batches, in order, while the bound allows them (a batch past it is held back
-        until a push)."""
-        while self._allowed(self.next_batch):
-            step, index = divmod(self.next_batch - 1, self.per_step)
-            pending = self.start(step + 1, index)
-            self.in_flight.append(_Generating(self.next_batch, pending, [[] for _ in pending.rows]))
-            self.next_batch += 1
+    def _send_allowed(self, last: int | None = None) -> None:
+        """Send the next batches (up to ``last``), in order, while the bound allows them (a batch past
+        it is held back until a push); those sent together the rollout ranks generate as one engine
+        call, each answered as soon as its responses have ended."""
+        batches, batch = [], self.next_batch
+        while self._allowed(batch) and (last is None or batch <= last):
+            batches.append(batch)
+            batch += 1
+        if not batches:
+            return
+        requests = []
+        for batch in batches:
+            step, index = divmod(batch - 1, self.per_step)
+            requests.append(self.request(step + 1, index))
+        for batch, pending in zip(batches, self.dispatch.start_generation(requests)):
+            self.in_flight.append(_Generating(batch, pending, [[] for _ in pending.rows]))
+        self.next_batch += len(batches)
 
     def _advance(self) -> None:
         """Wait for the first generation in flight, then send what the bound allows."""

@@ -60,6 +60,16 @@ class Rollout:
 
 
 @dataclass
+class GenerationRequest:
+    """A generation batch to send: ``n`` responses per prompt, request ids from ``first_row``."""
+
+    prompts: list[PromptSample]
+    n: int
+    params: SamplingParams
+    first_row: int = 0
+
+
+@dataclass
 class PendingRollout:
     """A generation sent to the rollout ranks and not yet collected (``Dispatch.collect``)."""
 
@@ -87,19 +97,26 @@ class Dispatch:
         """``n`` responses per prompt. Rows are split into contiguous shares, one per rollout DP
         rank. Each row samples from its own seed, numbered from ``first_row`` (a step's later
         generation batches draw afresh)."""
-        return self.collect(self.start_generation(prompts, n, params, first_row))
+        return self.collect(self.start_generation([GenerationRequest(prompts, n, params, first_row)])[0])
 
-    def start_generation(self, prompts: list[PromptSample], n: int, params: SamplingParams,
-                         first_row: int = 0) -> PendingRollout:
-        """``generate`` without waiting for it (a rollout pool of its own generates while the trainer works)."""
-        rows = [s for s in prompts for _ in range(n)]
-        shares = _split(len(rows), self.rollout_dp)
-        key = next(self.keys)
-        args = []
-        for rank in range(self.generators.world_size):
-            lo, hi = shares[rank // self.rollout_tp]
-            args.append(([s.prompt_ids for s in rows[lo:hi]], list(range(first_row + lo, first_row + hi)), params, key))
-        return PendingRollout(rows, n, self.generators.submit("generate", args), key)
+    def start_generation(self, requests: list[GenerationRequest]) -> list[PendingRollout]:
+        """``generate`` for each request, without waiting (a rollout pool of its own generates while
+        the trainer works): the ranks run them as one engine call and answer each as soon as its
+        responses have ended (``RolloutWorker.run``)."""
+        calls: list[list[tuple]] = [[] for _ in range(self.generators.world_size)]
+        sent = []
+        for request in requests:
+            rows = [s for s in request.prompts for _ in range(request.n)]
+            shares = _split(len(rows), self.rollout_dp)
+            key = next(self.keys)
+            for rank, share in enumerate(calls):
+                lo, hi = shares[rank // self.rollout_tp]
+                ids = list(range(request.first_row + lo, request.first_row + hi))
+                share.append(([s.prompt_ids for s in rows[lo:hi]], ids, request.params, key))
+            sent.append((rows, request.n, key))
+        self.generators.submit("run", [(share,) for share in calls])
+        return [PendingRollout(rows, n, self.generators.submit("result", [(key,)] * self.generators.world_size), key)
+                for rows, n, key in sent]
 
     @staticmethod
     def done(pending: PendingRollout) -> bool:

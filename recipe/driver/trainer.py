@@ -54,7 +54,7 @@ from recipe.data.dataset import BatchSampler, PromptDataset, val_batches
 from recipe.data.tiny_task import resolve_builtin
 from recipe.driver import checkpoint, dynamic_sampling
 from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
-from recipe.driver.dispatch import Dispatch, PendingRollout, Rollout
+from recipe.driver.dispatch import Dispatch, GenerationRequest, Rollout
 from recipe.driver.async_schedule import AsyncSchedule
 from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
 from recipe.driver.signals import DriverSignals, Stopped
@@ -155,7 +155,7 @@ class Trainer:
             tqdm.write("rollout workers: " + _placement(self.rollout_workers.infos))
             self.dispatch.connect_rollout()
             a = cfg.async_training
-            self.ahead = AsyncSchedule(self.dispatch, self.start_generation, self.total_steps, a.sync_every,
+            self.ahead = AsyncSchedule(self.dispatch, self.generation_request, self.total_steps, a.sync_every,
                                        a.batches_ahead, self.step, a.wait_rollout_timeout_s, a.partial_rollout,
                                        a.generation_batches)
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
@@ -274,7 +274,8 @@ class Trainer:
             if self.ahead is not None:  # made ahead: the step's generation batches, joined
                 rollout = self.ahead.batch(step)
             else:
-                rollout = self.dispatch.collect(self.start_generation(step, index))
+                r = self.generation_request(step, index)
+                rollout = self.dispatch.generate(r.prompts, r.n, r.params, r.first_row)
             return rollout, self.rewards(rollout)
 
         return dynamic_sampling.sample(generate, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size,
@@ -301,15 +302,14 @@ class Trainer:
         t = self.cfg.trainer
         return t.test_freq > 0 and self.val_data is not None and (step % t.test_freq == 0 or step == self.total_steps)
 
-    def start_generation(self, step: int, index: int = 0) -> PendingRollout:
-        """The sampler's next prompts sent to the rollout ranks as ``step``'s ``index``-th generation
-        batch (its seeds), without waiting."""
+    def generation_request(self, step: int, index: int = 0) -> GenerationRequest:
+        """The sampler's next prompts as ``step``'s ``index``-th generation batch (its seeds)."""
         n = self.cfg.actor_rollout_ref.rollout.n
         if index == 0:
             self.sampler_before = {s: v for s, v in self.sampler_before.items() if s > self.step}
             self.sampler_before[step] = self.sampler.state_dict()
         prompts = [self.train_data[i] for i in self.sampler.next_batch()]
-        return self.dispatch.start_generation(prompts, n, self.sampling_params(step), first_row=index * len(prompts) * n)
+        return GenerationRequest(prompts, n, self.sampling_params(step), first_row=index * len(prompts) * n)
 
     def sampling_params(self, step: int, validation: bool = False) -> SamplingParams:
         r = self.cfg.actor_rollout_ref.rollout

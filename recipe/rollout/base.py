@@ -10,8 +10,9 @@ compared token by token.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -102,6 +103,27 @@ class Generation:
     # that generated it (recipe.rollout.partial)
     generators: list[torch.Generator] | None = field(default=None, compare=False, repr=False)
 
+    def rows(self, lo: int, hi: int) -> Generation:
+        """Responses ``lo`` to ``hi`` (a part of a call that joined several, ``parts`` below)."""
+        return Generation(token_ids=self.token_ids[lo:hi], log_probs=self.log_probs[lo:hi],
+                          finish_reasons=self.finish_reasons[lo:hi], paused=self.paused,
+                          routed_experts=None if self.routed_experts is None else self.routed_experts[lo:hi],
+                          generators=None if self.generators is None else self.generators[lo:hi])
+
+
+PartDone = Callable[[int, Generation], None]
+
+
+def part_bounds(parts: Sequence[int] | None, rows: int) -> list[tuple[int, int]]:
+    """The row ranges of a call's parts (``generate``'s ``parts``: consecutive row counts); the
+    whole call is one part when none are given."""
+    if parts is None:
+        return [(0, rows)]
+    if sum(parts) != rows or any(n < 0 for n in parts):
+        raise ValueError(f"parts {list(parts)} do not split {rows} prompts")
+    ends = list(itertools.accumulate(parts))
+    return [(end - n, end) for n, end in zip(parts, ends)]
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -130,9 +152,14 @@ class LoadStats:
 
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None) -> Generation:
+                 request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
+                 parts: Sequence[int] | None = None, on_part: PartDone | None = None) -> Generation:
         """One response per prompt; a stop or EOS token that ended a response is its last token.
         ``max_tokens``: per prompt, instead of ``params.max_tokens``.
+        ``parts``: the prompts are consecutive parts of that many rows (several calls joined, as a
+        rollout rank joins the generation batches of one step); ``on_part(i, generation)`` gets
+        part i's responses once all of them have ended, while the others go on, and each part not
+        yet given when the call ends (finished, or paused) then.
         With a parallel engine this is a collective: the ranks of one TP group pass the same
         prompts, and every DP rank calls it (with its own prompts, possibly none)."""
 

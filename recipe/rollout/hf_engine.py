@@ -46,10 +46,12 @@ from recipe.rollout.base import (
     EngineArgs,
     Generation,
     LoadStats,
+    PartDone,
     SamplingParams,
     WeightLoadError,
     WeightStream,
     check_prompts,
+    part_bounds,
     request_seed,
     token_budgets,
 )
@@ -174,18 +176,25 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
+                 parts: Sequence[int] | None = None, on_part: PartDone | None = None,
                  generators: Sequence[torch.Generator] | None = None) -> Generation:
         """One response per prompt. With a seed, each request samples from its own generator
         (seeded by the seed and its request id, default its index), so a response does not depend
         on which other prompts share the batch or the engine. ``max_tokens``: per prompt, instead
-        of ``params.max_tokens``. ``generators``: the requests' own, as a paused generation
-        returned them, to continue their samples instead of seeding anew."""
+        of ``params.max_tokens``. ``parts``, ``on_part``: a part is given back at the token its
+        last response ends (``RolloutEngine.generate``); its rows go on decoding as padding until
+        the call ends. ``generators``: the requests' own, as a paused generation returned them, to
+        continue their samples instead of seeding anew."""
         self._pause.clear()
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
+        bounds = part_bounds(parts, len(prompts))
         if not prompts:
-            return Generation(token_ids=[], log_probs=[], finish_reasons=[], routed_experts=[] if self.routing else None,
-                              generators=[])
+            empty = Generation(token_ids=[], log_probs=[], finish_reasons=[],
+                               routed_experts=[] if self.routing else None, generators=[])
+            for i in range(len(bounds) if on_part is not None else 0):
+                on_part(i, empty)
+            return empty
         budgets = token_budgets(prompts, params, max_tokens)
         check_prompts(prompts, budgets, self.config.vocab_size, self.config.max_position_embeddings,
                       "model's max_position_embeddings")
@@ -219,6 +228,25 @@ class HFEngine:
         paused = False
         cache = DynamicCache(config=self.config)
         fed_routing = []  # per model call: [batch, tokens fed, layers, k]
+
+        def responses(lo: int, hi: int) -> Generation:
+            """Rows lo to hi as they stand: a part whose rows have all ended, or the whole call at its end."""
+            n = lengths[lo:hi].tolist()
+            routed = None
+            if self.routing is not None:
+                fed = torch.cat(fed_routing, dim=1)  # columns: the left-padded prompt, then response tokens 0, 1, ...
+                routed = [fed[lo + i, width - len(prompts[lo + i]) : width + k - 1].clone() for i, k in enumerate(n)]
+            return Generation(
+                token_ids=[row[:k] for row, k in zip(tokens[lo:hi].tolist(), n)],
+                log_probs=[row[:k] for row, k in zip(log_probs[lo:hi].tolist(), n)],
+                finish_reasons=["stop" if s else "paused" if paused and g else "length"
+                                for s, g in zip(stopped[lo:hi].tolist(), going[lo:hi].tolist())],
+                paused=paused,
+                routed_experts=routed,
+                generators=list(generators[lo:hi]) if len(generators) == batch else generators * (hi - lo),
+            )
+
+        given = [False] * len(bounds)
         for step in range(steps):
             logits = self.model(
                 input_ids=input_ids,
@@ -243,24 +271,20 @@ class HFEngine:
                 lengths[going] = step + 1
                 paused = True
                 break
+            if on_part is not None:
+                for i, (lo, hi) in enumerate(bounds):
+                    if not given[i] and not bool(going[lo:hi].any()):
+                        given[i] = True
+                        on_part(i, responses(lo, hi))
             input_ids = token[:, None]
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             positions = positions[:, -1:] + 1
 
-        lengths = lengths.tolist()
-        routed = None
-        if self.routing is not None:
-            fed = torch.cat(fed_routing, dim=1)  # columns: the left-padded prompt, then response tokens 0, 1, ...
-            routed = [fed[i, width - len(p) : width + n - 1].clone() for i, (p, n) in enumerate(zip(prompts, lengths))]
-        return Generation(
-            token_ids=[row[:n] for row, n in zip(tokens.tolist(), lengths)],
-            log_probs=[row[:n] for row, n in zip(log_probs.tolist(), lengths)],
-            finish_reasons=["stop" if s else "paused" if paused and g else "length"
-                            for s, g in zip(stopped.tolist(), going.tolist())],
-            paused=paused,
-            routed_experts=routed,
-            generators=list(generators) if len(generators) == batch else generators * batch,  # per request
-        )
+        whole = responses(0, batch)
+        for i, (lo, hi) in enumerate(bounds):
+            if on_part is not None and not given[i]:
+                on_part(i, whole.rows(lo, hi))
+        return whole
 
     # -- colocated mode -----------------------------------------------------------------------
 

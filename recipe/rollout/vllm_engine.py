@@ -57,10 +57,12 @@ from recipe.rollout.base import (
     EngineArgs,
     Generation,
     LoadStats,
+    PartDone,
     SamplingParams,
     WeightLoadError,
     WeightStream,
     check_prompts,
+    part_bounds,
     request_seed,
     token_budgets,
 )
@@ -204,11 +206,15 @@ class DeltaOutputs:
     def unfinished(self) -> list[str]:
         return [r for r, reason in self.reasons.items() if reason is None]
 
-    def outputs(self) -> list[SimpleNamespace]:
-        """In request order, as ``to_generation`` reads vLLM's outputs; the unfinished ones paused."""
+    def finished(self, request_ids: Sequence[str]) -> bool:
+        return all(self.reasons[r] is not None for r in request_ids)
+
+    def outputs(self, request_ids: Sequence[str] | None = None) -> list[SimpleNamespace]:
+        """In request order (of ``request_ids``, default all), as ``to_generation`` reads vLLM's
+        outputs; the unfinished ones paused."""
         return [SimpleNamespace(prompt_token_ids=self.prompts[r], outputs=[SimpleNamespace(
-                    token_ids=self.tokens[r], logprobs=self.log_probs[r], finish_reason=reason or PAUSED)])
-                for r, reason in self.reasons.items()]
+                    token_ids=self.tokens[r], logprobs=self.log_probs[r], finish_reason=self.reasons[r] or PAUSED)])
+                for r in (self.reasons if request_ids is None else request_ids)]
 
 
 # -- vLLM's model runner (pure) -----------------------------------------------------------------
@@ -289,7 +295,7 @@ class VLLMEngine:
     ``engine_kwargs`` passes further ``vllm.LLM`` arguments. ``process_after_load`` runs vLLM's
     ``process_weights_after_loading`` after each sync (default: on NPU, as MindSpeed-RL does).
     ``pausable`` (partial rollout): ``generate`` runs vLLM's step loop itself and the ranks vote on
-    ``pause`` before each step, so that all stop at the same step (``_generate_pausable``).
+    ``pause`` before each step, so that all stop at the same step (``_generate_stepped``).
 
     Randomness: the ranks of one TP group must draw the same samples. With ``SamplingParams.seed``
     each request gets its own seed (``request_seed``: from the seed, the request's index and the DP
@@ -487,11 +493,14 @@ class VLLMEngine:
         return bool(vote.item())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None) -> Generation:
+                 request_ids: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
+                 parts: Sequence[int] | None = None, on_part: PartDone | None = None) -> Generation:
         """One response per prompt, in order. A collective: the ranks of one TP group pass the same
         prompts; with DP > 1 every DP rank calls it (with its own prompts, possibly none).
         ``request_ids`` (global numbers of the requests) make each request's sample independent of
-        which DP rank serves it; ``max_tokens``: per prompt, instead of ``params.max_tokens``."""
+        which DP rank serves it; ``max_tokens``: per prompt, instead of ``params.max_tokens``;
+        ``parts``, ``on_part``: a part is given back at the step its last request finishes
+        (``RolloutEngine.generate``)."""
         self._pause.clear()
         if self._asleep:
             raise RuntimeError(f"engine is asleep ({', '.join(sorted(self._asleep))}); call wake_up() first")
@@ -500,10 +509,9 @@ class VLLMEngine:
                 "vLLM holds no complete weights (random dummy weights, a level-2 sleep, or a load_weights that "
                 "failed midway): load_weights a complete stream first"
             )
+        bounds = part_bounds(parts, len(prompts))
         budgets = token_budgets(prompts, params, max_tokens)
         check_prompts(prompts, budgets, self.vocab_size, self.max_model_len, "engine's max_model_len")
-        if not prompts and self.rollout.dp == 1:
-            return Generation(token_ids=[], log_probs=[], finish_reasons=[])
         sampling = [
             self._vllm.SamplingParams(**vllm_sampling_kwargs(
                 params, eos_token_ids=self.eos_token_ids, max_tokens=budgets[i],
@@ -511,31 +519,42 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
-        trainer_state = self._rng.get_rng_state()
-        self._rng.set_rng_state(self._gen_rng_state)
-        try:
-            # with DP > 1 a rank without prompts still steps with the others (vLLM's dummy batches)
-            if self._agreement is None:
-                outputs, paused = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False), False
-            else:
-                outputs, paused = self._generate_pausable(inputs, sampling)
-        finally:
-            self._gen_rng_state = self._rng.get_rng_state()
-            self._rng.set_rng_state(trainer_state)
+        given: set[int] = set()  # the parts given back during the loop
+        if not prompts and self.rollout.dp == 1:
+            outputs, paused = [], False
+        else:
+            trainer_state = self._rng.get_rng_state()
+            self._rng.set_rng_state(self._gen_rng_state)
+            try:
+                # with DP > 1 a rank without prompts still steps with the others (vLLM's dummy batches)
+                if self._agreement is None and len(bounds) == 1:
+                    outputs, paused = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False), False
+                else:
+                    outputs, paused = self._generate_stepped(inputs, sampling, bounds, on_part, given)
+            finally:
+                self._gen_rng_state = self._rng.get_rng_state()
+                self._rng.set_rng_state(trainer_state)
         generation = to_generation(outputs, prompts, routed_experts=self.return_routed_experts)
         generation.paused = paused
+        if on_part is not None:
+            for i, (lo, hi) in enumerate(bounds):
+                if i not in given:
+                    on_part(i, generation.rows(lo, hi))
         return generation
 
-    def _generate_pausable(self, inputs: list[Any], sampling: list[Any]) -> tuple[list[Any], bool]:
+    def _generate_stepped(self, inputs: list[Any], sampling: list[Any], bounds: list[tuple[int, int]],
+                          on_part: PartDone | None, given: set[int]) -> tuple[list[Any], bool]:
         """``LLM.generate``'s loop (``LLM._run_engine``: ``step`` while ``has_unfinished_requests``,
-        which with DP > 1 keeps the DP ranks stepping together) with the ranks' vote on a pause
-        before each step; at a pause the unfinished requests are aborted (vLLM frees their KV
-        cache) and come back with their tokens so far. The requests stream their new tokens
-        (``RequestOutputKind.DELTA``) so that those are at hand at any step."""
+        which with DP > 1 keeps the DP ranks stepping together), giving each part back at the step
+        its last request finishes and, in a ``pausable`` engine, with the ranks' vote on a pause
+        before each step: at a pause the unfinished requests are aborted (vLLM frees their KV cache)
+        and come back with their tokens so far. The requests stream their new tokens
+        (``RequestOutputKind.DELTA``) so that those are at hand at any step. ``given``: the parts
+        given back, filled here."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
-        ids = [f"partial-{next(self._requests)}" for _ in inputs]
+        ids = [f"stepped-{next(self._requests)}" for _ in inputs]
         for request_id, prompt, sp in zip(ids, inputs, sampling):
             sp.output_kind = RequestOutputKind.DELTA
             engine.add_request(request_id, prompt, sp)
@@ -547,6 +566,11 @@ class VLLMEngine:
                 engine.abort_request(outputs.unfinished())
                 break
             outputs.add(engine.step())
+            for i, (lo, hi) in enumerate(bounds):
+                if on_part is not None and i not in given and outputs.finished(ids[lo:hi]):
+                    given.add(i)
+                    prompts = [p["prompt_token_ids"] for p in inputs[lo:hi]]
+                    on_part(i, to_generation(outputs.outputs(ids[lo:hi]), prompts, routed_experts=self.return_routed_experts))
         return outputs.outputs(), paused
 
     # -- colocated mode -----------------------------------------------------------------------

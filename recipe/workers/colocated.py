@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from recipe.config import RecipeConfig
-from recipe.rollout.base import Generation, SamplingParams
+from recipe.rollout.base import SamplingParams
 from recipe.workers.actor import ActorWorker
-from recipe.workers.rollout import RolloutWorker
+from recipe.workers.rollout import Answer, GenerationCall, RolloutWorker
 
 if TYPE_CHECKING:
     from megatron_bridge.moe.table import RoutingRecord
@@ -120,10 +120,13 @@ class Worker:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
-                 key: int) -> tuple[Generation, float]:
+    def run(self, calls: list[tuple[list[list[int]], list[int], SamplingParams, int]]) -> None:
+        """Generate the calls, each (prompts, request ids, sampling, key), joined (``RolloutWorker.run``)."""
         self.actor.offload()
-        return self.rollout.generate(prompts, request_ids, params, key)
+        self.rollout.run([GenerationCall(*call) for call in calls])
+
+    def result(self, key: int) -> Answer:
+        return self.rollout.result(key)
 
     def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str,
                           replay: bool) -> tuple[torch.Tensor, RoutingRecord | None]:

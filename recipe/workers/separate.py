@@ -17,10 +17,10 @@ import ray
 import torch
 
 from recipe.config import RecipeConfig
-from recipe.rollout.base import Generation, SamplingParams
+from recipe.rollout.base import SamplingParams
 from recipe.workers.actor import ActorWorker
 from recipe.workers.colocated import DTYPES, RankInfo, Worker, free_address, join_world, quiet_known_warnings
-from recipe.workers.rollout import RolloutWorker
+from recipe.workers.rollout import Answer, GenerationCall, RolloutWorker
 
 if TYPE_CHECKING:
     from recipe.rollout.broadcast import TransferPlan
@@ -68,10 +68,13 @@ class RolloutRank:
     """One rollout rank: its engine, in a process with no Megatron shard. The rollout ranks form a
     torch.distributed world of their own (the engine's: vLLM's external launcher runs its TP / DP /
     EP groups in it), apart from the training ranks'.
-    ``pause`` runs in a concurrency group of its own, so that it reaches a ``generate`` in progress;
+    ``pause`` runs in a concurrency group of its own, so that it reaches a ``run`` in progress, and
+    ``result`` in another, so that a call's answer leaves while the others of its ``run`` go on;
     every other call runs one at a time, in the default group."""
 
-    concurrency_groups = {"pause": 1}
+    # ``result`` threads: one per generation batch in flight on the rank waits for its answer (more
+    # than these queue until one is answered)
+    concurrency_groups = {"pause": 1, "results": 32}
 
     def __init__(self, rank: int, world_size: int, threads: int):
         self.rank, self.world_size = rank, world_size
@@ -105,17 +108,22 @@ class RolloutRank:
         self.weights = WeightGroup(host, port, self.rank + 1, size, self.weights_timeout_s, *self.weights_backend)
         self.plan = plan
 
-    def generate(self, prompts: list[list[int]], request_ids: list[int], params: SamplingParams,
-                 key: int) -> tuple[Generation, float]:
-        return self.rollout.generate(prompts, request_ids, params, key)
+    def run(self, calls: list[tuple[list[list[int]], list[int], SamplingParams, int]]) -> None:
+        """Generate the calls, each (prompts, request ids, sampling, key), joined (``RolloutWorker.run``)."""
+        self.rollout.run([GenerationCall(*call) for call in calls])
+
+    @ray.method(concurrency_group="results")
+    def result(self, key: int) -> Answer:
+        """Call ``key``'s responses and generation seconds, as soon as they are ready."""
+        return self.rollout.result(key)
 
     @ray.method(concurrency_group="pause")
     def pause(self) -> None:
-        """Partial rollout: the ``generate`` in progress returns after its current token, those queued
-        behind it return held, until the next weights are in."""
+        """Partial rollout: the ``run`` in progress stops after its current token (its calls not yet
+        answered answer paused), those queued behind it answer held, until the next weights are in."""
         self.rollout.pause()
 
-    def resume(self, key: int) -> tuple[Generation, float] | None:
+    def resume(self, key: int) -> Answer | None:
         """Generation ``key`` continued under the weights held now (None: nothing of it waits here)."""
         return self.rollout.resume(key)
 
