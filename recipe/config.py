@@ -1022,6 +1022,11 @@ def _fully_async_problems(cfg: RecipeConfig) -> list[str]:
         out.append(f"async_training.require_batches={a.require_batches}: the step's data.train_batch_size "
                    f"({cfg.data.train_batch_size}) prompts are generated as require_batches equal batches; set it to "
                    f"one of {_divisors(cfg.data.train_batch_size)}")
+    rollout = cfg.actor_rollout_ref.rollout
+    if a.partial_rollout and rollout.name == "vllm" and rollout.enable_rollout_routing_replay:
+        out.append("async_training.partial_rollout=true with rollout.name=vllm and "
+                   "rollout.enable_rollout_routing_replay=true is not implemented: the pausable engine's step loop "
+                   "does not gather the routes vLLM reports; drop one of them (rollout.name=hf keeps both)")
     return out
 
 

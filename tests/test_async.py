@@ -108,7 +108,8 @@ def test_asynchronous_modes_config():
 
 def test_vllm_generates_in_a_pool_of_its_own():
     """The 30B recipes (vLLM-Ascend) take the split: vLLM's ranks are the rollout pool's, TP x DP its
-    devices, with partial rollout too (the engine votes on a pause between its steps)."""
+    devices, with partial rollout too (the engine votes on a pause between its steps), but not with
+    the routes reported as well (the pausable step loop does not gather them)."""
     split = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=2",
              "actor_rollout_ref.rollout.n_gpus_per_node=16"]
     cfg = load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=one_step_off"])
@@ -118,6 +119,10 @@ def test_vllm_generates_in_a_pool_of_its_own():
     partial = load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=fully_async",
                                                  "async_training.partial_rollout=true"])
     assert partial.async_training.partial_rollout and partial.actor_rollout_ref.rollout.name == "vllm"
+    with pytest.raises(ConfigError, match=r"partial_rollout=true with rollout.name=vllm and "
+                                          r"rollout.enable_rollout_routing_replay=true is not implemented"):
+        load_config("qwen3_30b_a3b_gspo", [*split, "async_training.mode=fully_async", "async_training.partial_rollout=true",
+                                           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
 
 
 @pytest.mark.parametrize("overrides, sync_every, max_staleness", [

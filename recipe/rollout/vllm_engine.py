@@ -500,7 +500,8 @@ class VLLMEngine:
         ``request_ids`` (global numbers of the requests) make each request's sample independent of
         which DP rank serves it; ``max_tokens``: per prompt, instead of ``params.max_tokens``;
         ``parts``, ``on_part``: a part is given back at the step its last request finishes
-        (``RolloutEngine.generate``)."""
+        (``RolloutEngine.generate``); with the routes asked for (R3), when the call ends, unless the
+        engine is pausable."""
         self._pause.clear()
         if self._asleep:
             raise RuntimeError(f"engine is asleep ({', '.join(sorted(self._asleep))}); call wake_up() first")
@@ -526,8 +527,9 @@ class VLLMEngine:
             trainer_state = self._rng.get_rng_state()
             self._rng.set_rng_state(self._gen_rng_state)
             try:
-                # with DP > 1 a rank without prompts still steps with the others (vLLM's dummy batches)
-                if self._agreement is None and len(bounds) == 1:
+                # with DP > 1 a rank without prompts still steps with the others (vLLM's dummy batches).
+                # The step loop's deltas carry no routes: with them asked for, parts come at the end.
+                if self._agreement is None and (len(bounds) == 1 or self.return_routed_experts):
                     outputs, paused = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False), False
                 else:
                     outputs, paused = self._generate_stepped(inputs, sampling, bounds, on_part, given)
