@@ -586,6 +586,8 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
         # the trainer's wait and the rollout's time without generation, as shares of the step
         assert m["async/idle_ratio_trainer"] == pytest.approx(min(1.0, m["timing_s/wait_rollout"] / m["timing_s/step"]))
         assert 0.0 <= m["async/idle_ratio_rollout"] <= 1.0
+        # the rollout pool's wait for the trainer: the step's seconds it did not generate
+        assert m["timing_s/wait_train"] == pytest.approx(m["async/idle_ratio_rollout"] * m["timing_s/step"])
         # tokens per second per device of both pools: 2 training + 2 rollout ranks
         assert m["perf/throughput"] == pytest.approx(m["perf/total_num_tokens"] / (4 * m["timing_s/step"]))
     # steps 1 and 2 collect a batch (the next step's) at their push; step 3, the run's last, has none left

@@ -187,9 +187,10 @@ class AsyncSchedule:
         """How stale the step's response tokens were (versions behind the policy that scored them:
         mean and max over the tokens), how many responses a push paused and the rollout continued,
         how long the trainer waited for generations, generation as the rollout ranks timed it, whether
-        the step pushed its weights, and the share of the step each pool spent idle: the trainer waiting
-        for a batch; the rollout ranks not generating (counted by the batches collected in the step,
-        so a generation that ran across two steps counts in the step that collected it)."""
+        the step pushed its weights, the time the rollout ranks were not generating (waiting for the
+        trainer: for a push, or held back by the bound; counted by the batches collected in the step,
+        so a generation that ran across two steps counts in the step that collected it), and the
+        share of the step each pool spent idle."""
         waited, self.waited = self.waited, 0.0
         generated, self.generated = self.generated, 0.0
         pushes, self.pushes = self.pushes, 0
@@ -197,5 +198,6 @@ class AsyncSchedule:
         return {"async/staleness_mean": sum(behind) / len(behind), "async/staleness_max": float(max(behind)),
                 "async/partial_rollout_resumes": float(rollout.resumed_rows), "async/weight_pushes": float(pushes),
                 "timing_s/wait_rollout": waited, "timing_s/gen": rollout.gen_seconds,
+                "timing_s/wait_train": max(0.0, step_seconds - generated),
                 "async/idle_ratio_trainer": min(1.0, waited / step_seconds),
                 "async/idle_ratio_rollout": max(0.0, 1.0 - generated / step_seconds)}
