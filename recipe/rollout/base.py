@@ -125,6 +125,16 @@ def part_bounds(parts: Sequence[int] | None, rows: int) -> list[tuple[int, int]]
     return [(end - n, end) for n, end in zip(parts, ends)]
 
 
+def give_remaining_parts(generation: Generation, bounds: list[tuple[int, int]], given: set[int],
+                         on_part: PartDone | None) -> None:
+    """At the end of a call, each part not given back during it (``given``), from the whole call's responses."""
+    if on_part is None:
+        return
+    for i, (lo, hi) in enumerate(bounds):
+        if i not in given:
+            on_part(i, generation.rows(lo, hi))
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """What an engine is built from (``recipe.rollout.ENGINES``); each takes what it uses."""

@@ -51,6 +51,7 @@ from recipe.rollout.base import (
     WeightLoadError,
     WeightStream,
     check_prompts,
+    give_remaining_parts,
     part_bounds,
     request_seed,
     token_budgets,
@@ -192,8 +193,7 @@ class HFEngine:
         if not prompts:
             empty = Generation(token_ids=[], log_probs=[], finish_reasons=[],
                                routed_experts=[] if self.routing else None, generators=[])
-            for i in range(len(bounds) if on_part is not None else 0):
-                on_part(i, empty)
+            give_remaining_parts(empty, bounds, set(), on_part)
             return empty
         budgets = token_budgets(prompts, params, max_tokens)
         check_prompts(prompts, budgets, self.config.vocab_size, self.config.max_position_embeddings,
@@ -246,7 +246,7 @@ class HFEngine:
                 generators=list(generators[lo:hi]) if len(generators) == batch else generators * (hi - lo),
             )
 
-        given = [False] * len(bounds)
+        given: set[int] = set()  # the parts given back during the loop
         for step in range(steps):
             logits = self.model(
                 input_ids=input_ids,
@@ -273,17 +273,15 @@ class HFEngine:
                 break
             if on_part is not None:
                 for i, (lo, hi) in enumerate(bounds):
-                    if not given[i] and not bool(going[lo:hi].any()):
-                        given[i] = True
+                    if i not in given and not bool(going[lo:hi].any()):
+                        given.add(i)
                         on_part(i, responses(lo, hi))
             input_ids = token[:, None]
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             positions = positions[:, -1:] + 1
 
         whole = responses(0, batch)
-        for i, (lo, hi) in enumerate(bounds):
-            if on_part is not None and not given[i]:
-                on_part(i, whole.rows(lo, hi))
+        give_remaining_parts(whole, bounds, given, on_part)
         return whole
 
     # -- colocated mode -----------------------------------------------------------------------

@@ -62,6 +62,7 @@ from recipe.rollout.base import (
     WeightLoadError,
     WeightStream,
     check_prompts,
+    give_remaining_parts,
     part_bounds,
     request_seed,
     token_budgets,
@@ -538,10 +539,7 @@ class VLLMEngine:
                 self._rng.set_rng_state(trainer_state)
         generation = to_generation(outputs, prompts, routed_experts=self.return_routed_experts)
         generation.paused = paused
-        if on_part is not None:
-            for i, (lo, hi) in enumerate(bounds):
-                if i not in given:
-                    on_part(i, generation.rows(lo, hi))
+        give_remaining_parts(generation, bounds, given, on_part)
         return generation
 
     def _generate_stepped(self, inputs: list[Any], sampling: list[Any], bounds: list[tuple[int, int]],
@@ -568,8 +566,8 @@ class VLLMEngine:
                 engine.abort_request(outputs.unfinished())
                 break
             outputs.add(engine.step())
-            for i, (lo, hi) in enumerate(bounds):
-                if on_part is not None and i not in given and outputs.finished(ids[lo:hi]):
+            for i, (lo, hi) in enumerate(bounds if on_part is not None else ()):
+                if i not in given and outputs.finished(ids[lo:hi]):
                     given.add(i)
                     prompts = [p["prompt_token_ids"] for p in inputs[lo:hi]]
                     on_part(i, to_generation(outputs.outputs(ids[lo:hi]), prompts, routed_experts=self.return_routed_experts))
