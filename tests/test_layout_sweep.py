@@ -94,7 +94,7 @@ def test_the_sweep_enumerates_every_setting_and_drops_what_megatron_breaks_on():
         TrainParallel(etp=2),  # a wrong gradient
         TrainParallel(pp=2, etp=1, first_stage_layers=1, last_stage_layers=3),  # ZeroDivisionError
         TrainParallel(pp=2, vpp=2, etp=1, last_stage_layers=2),  # layers built twice: wrong log-probs
-        TrainParallel(cp=2, etp=1),  # no TE attention on CPU
+        TrainParallel(cp=2, etp=1),  # no context-parallel data path yet
     ]
     two = set(candidates(2))
     assert all(t in two for t in known_bad) and not set(known_bad) & set(accepted(2))

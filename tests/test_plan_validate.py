@@ -168,12 +168,12 @@ def test_heads_and_vocab_must_divide_tp():
     assert "vocab_size (510) must be divisible by it" in found["train.tp_divides_vocab"]
 
 
-def test_context_parallel_rules():
+def test_context_parallel_is_refused_on_every_platform_until_it_has_a_data_path():
     cp = TrainParallel(cp=2)
-    assert "train.cp_needs_te_attention" in rules(TINY, make(cp, devices=2, device="cpu"))
-    assert "train.cp_needs_te_attention" not in rules(Q30, make(cp, devices=2))
-    msg = rules(Q30, make(cp, devices=2), seq_len=4098)["train.cp_seq_divisible"]
-    assert "seq_len (4098) must be divisible by 4" in msg
+    for device in ("cpu", "cuda", "npu"):
+        msg = rules(Q30 if device != "cpu" else TINY, make(cp, devices=2, device=device))["train.cp_no_data_path"]
+        assert "context_parallel_size=2" in msg and "use context_parallel_size=1" in msg
+    assert "train.cp_no_data_path" not in rules(Q30, make(TrainParallel(), devices=2))
 
 
 def test_recompute_rules():

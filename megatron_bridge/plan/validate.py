@@ -12,7 +12,6 @@ from typing import Callable, Iterable
 
 from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.model_spec import ModelSpec
-from megatron_bridge.plan.platforms import PLATFORMS
 from megatron_bridge.plan.stages import layers_per_stage
 
 
@@ -30,8 +29,6 @@ class Context:
     spec: ModelSpec
     layout: Layout
     seq_len: int
-    # Context parallel needs TE's or MindSpeed's attention (megatron's local attention asserts CP == 1).
-    context_parallel_available: bool
 
 
 def _choices(values: Iterable[int]) -> str:
@@ -278,19 +275,16 @@ def interleaved_last_stage(c: Context):
 @rule
 def context_parallel(c: Context):
     t = c.layout.train
-    if t.cp == 1:
-        return
-    if not c.context_parallel_available:
+    if t.cp > 1:
+        # megatron would build CP process groups, but nothing in the actor splits a sequence over them,
+        # gathers its log-probs or sums a sequence's ratio across them: every CP rank would attend over
+        # whole sequences and train on wrong numbers.
         yield Violation(
-            "train.cp_needs_te_attention",
-            f"context_parallel_size={t.cp} needs Transformer Engine's or MindSpeed's attention "
-            f"(megatron's local attention supports CP=1 only); on device={c.layout.cluster.device} use CP=1",
-        )
-    if c.seq_len % (2 * t.cp):
-        yield Violation(
-            "train.cp_seq_divisible",
-            f"context_parallel_size={t.cp} splits each sequence into 2*CP={2 * t.cp} chunks: seq_len ({c.seq_len}) "
-            f"must be divisible by {2 * t.cp}",
+            "train.cp_no_data_path",
+            f"context_parallel_size={t.cp}: the actor has no context-parallel data path yet (sequences are not "
+            "split over CP ranks, nor their log-probs gathered), so CP > 1 would train on wrong numbers; use "
+            "context_parallel_size=1 (long sequences fit with the fused attention, chunked log-probs and "
+            "recompute_granularity=full: python -m megatron_bridge.plan check --seq-len shows the longest that fits)",
         )
 
 
@@ -391,11 +385,9 @@ def cluster(c: Context):
         yield Violation("cluster.npu_kind", f"trainer.npu_kind={cl.npu_kind} is set but trainer.device={cl.device}")
 
 
-def validate(spec: ModelSpec, layout: Layout, seq_len: int, context_parallel_available: bool | None = None) -> list[Violation]:
+def validate(spec: ModelSpec, layout: Layout, seq_len: int) -> list[Violation]:
     """Every violated rule of the layout for this model and cluster (empty when valid)."""
-    if context_parallel_available is None:
-        context_parallel_available = PLATFORMS[layout.cluster.device].supports_context_parallel
-    ctx = Context(spec, layout, seq_len, context_parallel_available)
+    ctx = Context(spec, layout, seq_len)
     return [v for check in RULES for v in check(ctx)]
 
 
