@@ -8,8 +8,11 @@ Used as the ``loss_func`` that a forward step hands to megatron's ``forward_back
 A micro-batch is a dict of tensors (the batch contract is ``megatron_bridge.runtime.batch``'s; this
 hook reads):
 
-- ``input_ids`` [b, s] long: prompt tokens followed by response tokens, right-padded;
+- ``input_ids`` [b, s] long: prompt tokens followed by response tokens, right-padded; or, packed,
+  [1, T]: the rows back to back (the model's output is then [1, T, V/tp]);
 - ``prompt_lengths`` [b] long;
+- ``sequence_starts`` [b] long, optional: row i's first token on the flattened token axis
+  (``input_ids`` viewed as [b * s] or [T]); absent means i * s, the padded layout;
 - ``response_mask`` [b, R]: R is the response width, the same for every micro-batch;
 - ``old_log_probs``, ``advantages`` [b, R]; ``ref_log_probs`` [b, R] only with the KL loss;
 - ``rollout_is_weights`` [b, R], optional: rollout-correction IS weights (``loss.rollout_correction``),
@@ -17,14 +20,14 @@ hook reads):
   ``response_mask``, so the mini-batch counts the actor takes from it (``MiniBatchNorm``) leave
   rejected tokens out.
 
-Response token j of row i is ``input_ids[i, prompt_lengths[i] + j]`` and is predicted by the
-logits at position ``prompt_lengths[i] + j - 1``. Entries past a row's response (mask 0) may hold
-anything.
+With start_i = ``sequence_starts[i]``, response token j of row i is
+``input_ids_flat[start_i + prompt_lengths[i] + j]`` and is predicted by
+``logits_flat[start_i + prompt_lengths[i] + j - 1]``. Only tokens with ``response_mask`` 1 are
+scored; the log-probs and entropies at mask 0 are 0, and their inputs may hold anything.
 
 Importing this module does not import megatron (see ``loss.vocab_parallel``).
 """
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -34,7 +37,7 @@ from .aggregation import Normalization, agg_loss
 from .kl import KL_PENALTY_TYPES, kl_penalty
 from .policy import compute_policy_loss
 from .registry import PolicyLossSettings, policy_loss_modes
-from .vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from .vocab_parallel import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs_and_entropy
 
 Metrics = dict[str, torch.Tensor]
 
@@ -49,7 +52,10 @@ def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:
 class ActorLossConfig:
     """The actor's loss settings, named as verl's actor config, with verl's defaults: the policy
     loss's clip and aggregation settings (``policy``, passed to the loss whole), the KL loss, the
-    entropy bonus and the sampling temperature. The recipe's config builds it from its keys."""
+    entropy bonus and the sampling temperature. The recipe's config builds it from its keys.
+
+    ``log_prob_chunk_size``: tokens whose float32 log-softmax is held at once
+    (``loss.vocab_parallel.chunk_rows``; 0: all of them, no chunking)."""
 
     loss_mode: str = "vanilla"
     policy: PolicyLossSettings = PolicyLossSettings()
@@ -58,12 +64,15 @@ class ActorLossConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     temperature: float = 1.0
+    log_prob_chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self) -> None:
         _check_choice("loss_mode", self.loss_mode, policy_loss_modes())
         _check_choice("kl_loss_type", self.kl_loss_type, KL_PENALTY_TYPES)
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not self.log_prob_chunk_size >= 0:
+            raise ValueError(f"log_prob_chunk_size must be >= 0 (0: no chunking), got {self.log_prob_chunk_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,42 +101,63 @@ class MiniBatchNorm(Normalization):
             )
 
 
-def _response_window(
-    logits: torch.Tensor, input_ids: torch.Tensor, prompt_lengths: torch.Tensor, response_width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits [b, R, V/tp] that predict each response token, and those tokens [b, R]."""
-    if logits.shape[:2] != input_ids.shape or prompt_lengths.shape != input_ids.shape[:1]:
+def _response_tokens(
+    logits: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The logits as rows [b * s or T, V/tp]; the rows that predict the response tokens [N] and
+    those tokens [N]; each token's (row, column) in [b, R]."""
+    input_ids, prompt_lengths = micro_batch["input_ids"], micro_batch["prompt_lengths"]
+    mask = micro_batch["response_mask"].bool()
+    starts = micro_batch.get("sequence_starts")
+    if (
+        input_ids.dim() != 2 or logits.shape[:-1] != input_ids.shape or prompt_lengths.shape != mask.shape[:1]
+        or (starts is None and input_ids.shape[0] != len(prompt_lengths))
+        or (starts is not None and starts.shape != prompt_lengths.shape)
+    ):
         raise ValueError(
-            f"expected logits [b, s, V/tp], input_ids [b, s], prompt_lengths [b]; got "
-            f"{tuple(logits.shape)}, {tuple(input_ids.shape)}, {tuple(prompt_lengths.shape)}"
+            f"expected logits [b, s, V/tp], input_ids [b, s], prompt_lengths [b], response_mask [b, R] (packed: "
+            f"logits [1, T, V/tp], input_ids [1, T] and sequence_starts [b]); got logits {tuple(logits.shape)}, "
+            f"input_ids {tuple(input_ids.shape)}, prompt_lengths {tuple(prompt_lengths.shape)}, response_mask "
+            f"{tuple(mask.shape)}, sequence_starts {None if starts is None else tuple(starts.shape)}"
         )
-    last = input_ids.shape[1] - 1
-    token_pos = prompt_lengths.unsqueeze(-1) + torch.arange(response_width, device=input_ids.device)
-    # Positions past the sequence only occur where the response mask is 0; clamping keeps them
-    # in range, and whatever they read is masked out of the loss.
-    logit_pos = (token_pos - 1).clamp(0, last)
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(-1)
-    # Indexing only the response window keeps the float32 copies below at [b, R, V/tp], not [b, s, V/tp].
-    return logits[rows, logit_pos], input_ids.gather(1, token_pos.clamp(0, last))
+    total = input_ids.numel()
+    if starts is None:
+        starts = torch.arange(len(prompt_lengths), device=input_ids.device) * input_ids.shape[1]
+    # A row ends where the next one (in token order) starts.
+    order = starts.argsort()
+    ends = torch.empty_like(starts)
+    ends[order] = torch.cat([starts[order][1:], starts.new_tensor([total])])
+
+    rows, cols = mask.nonzero(as_tuple=True)
+    token_pos = starts[rows] + prompt_lengths[rows] + cols
+    if bool(((token_pos <= starts[rows]) | (token_pos >= ends[rows])).any()):
+        raise ValueError("response tokens must lie inside their sequence, after a prompt of at least one token "
+                         "(check prompt_lengths, response_mask and sequence_starts)")
+    return logits.reshape(total, logits.shape[-1]), token_pos - 1, input_ids.reshape(total)[token_pos], (rows, cols)
 
 
 def response_log_probs(
     logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    prompt_lengths: torch.Tensor,
-    response_width: int,
+    micro_batch: Mapping[str, torch.Tensor],
     temperature: float,
     with_entropy: bool,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    reuse_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 log-probs [b, R] of the response tokens and, if asked, the entropies [b, R] there.
+    """float32 log-probs [b, R] of the micro-batch's response tokens and, if asked, the entropies
+    [b, R] there (0 where ``response_mask`` is 0).
 
-    ``logits`` is the vocab-parallel shard [b, s, V/tp] (megatron GPTModel output with
-    ``parallel_output=True``). Entries past a row's response are finite but meaningless.
+    ``logits`` is the vocab-parallel shard [b, s, V/tp] or, packed, [1, T, V/tp] (megatron GPTModel
+    output with ``parallel_output=True``). ``chunk_size`` and ``reuse_logits`` as in
+    ``loss.vocab_parallel.vocab_parallel_log_probs_and_entropy``.
     """
-    window, targets = _response_window(logits, input_ids, prompt_lengths, response_width)
-    log_probs = vocab_parallel_log_probs(window, targets, temperature)
-    entropy = vocab_parallel_entropy(window, temperature) if with_entropy else None
-    return log_probs, entropy
+    flat, positions, targets, where = _response_tokens(logits, micro_batch)
+    log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+        flat, positions, targets, temperature, with_entropy, chunk_size, reuse_logits
+    )
+    shape = micro_batch["response_mask"].shape
+    log_probs = log_probs.new_zeros(shape).index_put(where, log_probs)
+    return log_probs, None if entropy is None else entropy.new_zeros(shape).index_put(where, entropy)
 
 
 def _token_weighted(value: float, local_tokens: torch.Tensor, norm: MiniBatchNorm) -> torch.Tensor:
@@ -150,15 +180,17 @@ def policy_loss_func(
     Metrics are detached float32 scalars whose sum over all micro-batches and DP ranks is the
     mini-batch value: ``actor/pg_loss``, ``actor/kl_loss`` (with KL), ``actor/entropy`` (mean
     over valid tokens), ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``.
+
+    ``logits`` are consumed: backward writes their gradient into their storage (no second
+    logits-sized buffer), which is safe for the model's output that megatron's schedule hands over
+    and nothing else keeps. A leaf tensor (or a view of one) is left as it is.
     """
     mask = micro_batch["response_mask"].bool()
-    window, targets = _response_window(
-        logits, micro_batch["input_ids"], micro_batch["prompt_lengths"], mask.shape[1]
+    # Without an entropy bonus the entropy is only a metric: nothing differentiates it, so backward
+    # computes no entropy gradient.
+    log_probs, entropy = response_log_probs(
+        logits, micro_batch, cfg.temperature, True, cfg.log_prob_chunk_size, reuse_logits=True
     )
-    log_probs = vocab_parallel_log_probs(window, targets, cfg.temperature)
-    # Without an entropy bonus the entropy is only a metric: no graph, no backward through it.
-    with contextlib.nullcontext() if cfg.entropy_coeff != 0 else torch.no_grad():
-        entropy = vocab_parallel_entropy(window, cfg.temperature)
 
     pg_loss, pg_metrics = compute_policy_loss(
         cfg.loss_mode, micro_batch["old_log_probs"], log_probs, micro_batch["advantages"], mask, cfg.policy, norm,
@@ -195,21 +227,20 @@ def policy_loss_func(
 
 
 def log_prob_func(
-    temperature: float, with_entropy: bool, micro_batch: Mapping[str, torch.Tensor], logits: torch.Tensor
+    temperature: float,
+    with_entropy: bool,
+    micro_batch: Mapping[str, torch.Tensor],
+    logits: torch.Tensor,
+    *,
+    log_prob_chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, Metrics]:
-    """megatron ``loss_func`` for forward-only passes (old / reference log-probs).
+    """megatron ``loss_func`` for forward-only passes (old / reference log-probs), e.g.
+    ``partial(log_prob_func, cfg.temperature, False, log_prob_chunk_size=cfg.log_prob_chunk_size)``.
 
     Returns a zero loss and ``{"log_probs": [b, R]}`` plus ``"entropy"`` [b, R] if asked, detached;
     R is the width of ``micro_batch["response_mask"]``.
     """
-    log_probs, entropy = response_log_probs(
-        logits,
-        micro_batch["input_ids"],
-        micro_batch["prompt_lengths"],
-        micro_batch["response_mask"].shape[1],
-        temperature,
-        with_entropy,
-    )
+    log_probs, entropy = response_log_probs(logits, micro_batch, temperature, with_entropy, log_prob_chunk_size)
     outputs = {"log_probs": log_probs.detach()}
     if entropy is not None:
         outputs["entropy"] = entropy.detach()

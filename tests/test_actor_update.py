@@ -1,7 +1,9 @@
 """One GSPO and one GRPO update through megatron's forward_backward_func, DistributedOptimizer and
 the loss hook give the same new weights however the mini-batch is split: micro-batch 1 vs 4 vs a
 token budget (dynamic batch size), DP1 vs DP2, PP1 vs PP2 (also interleaved, VPP2), EP1 vs EP2,
-TP2 with sequence parallel. Plus the steps that must not break the weights."""
+TP2 with sequence parallel; packed (the rows of a micro-batch back to back) or padded; and whatever
+computes it: the fast paths (SDPA attention, grouped experts) or megatron's DotProductAttention
+and SequentialMLP. Plus the steps that must not break the weights."""
 
 import math
 
@@ -67,7 +69,8 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_to
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.plan.model_spec import load_model_spec
 
-    train = TrainParallel(**train_kwargs)
+    pack = train_kwargs.get("pack", False)  # the actor's, beside the layout's keys
+    train = TrainParallel(**{k: v for k, v in train_kwargs.items() if k != "pack"})
     initialize_parallel(train)
     spec = load_model_spec(checkpoint)
     optim = OptimConfig(**OPTIM)
@@ -76,8 +79,9 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_to
     mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
     results = {}
     for name in loss_names:
-        actor = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), optim, "cpu")
+        actor = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), optim, "cpu", pack)
         actor.load_hf(checkpoint)
+        assert actor.packs == pack
         before = {k: v.clone() for k, v in _named(actor).items()}
         metrics = actor.train_step(mine, micro_batch_size, partial(policy_loss_func, LOSSES[name]), max_tokens)
         slices = [(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(actor.chunks, spec)]
@@ -182,6 +186,21 @@ SPLITS = {  # name: (ranks, layout, micro-batch rows, token budget)
     "dp2_tokens12": (2, {}, 1, 12),
     "ep2_tokens20": (2, {"ep": 2, "etp": 1}, 1, 20),
     "tp2_sp_tokens16": (2, {"tp": 2, "sequence_parallel": True}, 1, 16),
+    # megatron's own modules in place of the fast paths the reference runs (SDPA attention, grouped
+    # experts): one at a time, then both in the layouts that split attention or experts
+    "dp1_mb4_megatron_attention": (1, {"flash_attn": False}, 4, None),
+    "dp1_mb4_sequential_experts": (1, {"grouped_gemm": False}, 4, None),
+    "ep2_mb2_megatron_kernels": (2, {"ep": 2, "etp": 1, "flash_attn": False, "grouped_gemm": False}, 2, None),
+    "tp2_sp_mb2_megatron_kernels": (2, {"tp": 2, "sequence_parallel": True, "flash_attn": False,
+                                        "grouped_gemm": False}, 2, None),
+    "pp2_mb1_megatron_kernels": (2, {"pp": 2, "flash_attn": False, "grouped_gemm": False}, 1, None),
+    # packed micro-batches (use_remove_padding): the rows back to back, no padding between them
+    "dp1_mb4_packed": (1, {"pack": True}, 4, None),
+    "dp2_tokens12_packed": (2, {"pack": True}, 1, 12),
+    "ep2_mb2_packed": (2, {"ep": 2, "etp": 1, "pack": True}, 2, None),
+    "tp2_sp_mb2_packed": (2, {"tp": 2, "sequence_parallel": True, "pack": True}, 2, None),
+    # the allgather dispatcher's pipeline sends one shape: every micro-batch packed to the longest
+    "pp2_mb2_packed": (2, {"pp": 2, "pack": True}, 2, None),
 }
 
 
@@ -323,11 +342,15 @@ def test_token_budget_runs_group_sorted_rows_under_the_budget():
     assert token_budget_runs(lengths, max_tokens=20, multiple=1, runs_multiple_of=3) == [
         (0, 1), (1, 2), (2, 3), (3, 5), (5, 6), (6, 8)]
     assert token_budget_runs([5, 5], max_tokens=100, multiple=1, runs_multiple_of=4) == [(0, 1), (1, 2)]
+    # packed, a run's size is its rows' tokens (rounded up to the multiple), not rows x the longest
+    assert token_budget_runs(lengths, max_tokens=20, multiple=1, packed=True) == [(0, 2), (2, 5), (5, 8)]
+    assert token_budget_runs(lengths, max_tokens=19, multiple=1, packed=True) == [(0, 1), (1, 3), (3, 8)]
+    assert token_budget_runs(lengths, max_tokens=19, multiple=4, packed=True) == [(0, 1), (1, 2), (2, 4), (4, 8)]
     with pytest.raises(ValueError, match="12 tokens .* at least 12"):
         token_budget_runs([12, 3], max_tokens=10, multiple=4)
 
 
-def _log_probs(rank, world_size, checkpoint, batch, train_kwargs, micro_batch_size, max_tokens):
+def _log_probs(rank, world_size, checkpoint, batch, train_kwargs, micro_batch_size, max_tokens, pack=False):
     from functools import partial
 
     from loss.megatron_hook import log_prob_func
@@ -339,7 +362,7 @@ def _log_probs(rank, world_size, checkpoint, batch, train_kwargs, micro_batch_si
     train = TrainParallel(**train_kwargs)
     initialize_parallel(train)
     actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=torch.float32),
-                          OptimConfig(lr=1e-3), "cpu")
+                          OptimConfig(lr=1e-3), "cpu", pack)
     actor.load_hf(checkpoint)
     try:
         shapes = [tuple(mb["input_ids"].shape) for mb in actor.micro_batches(batch, micro_batch_size, max_tokens)]
@@ -364,6 +387,22 @@ def test_forward_only_by_token_budget_returns_rows_in_batch_order(setup, tmp_pat
     mask = batch["response_mask"].bool()
     got, want = torch.tensor(budget["log_probs"]), torch.tensor(fixed["log_probs"])
     assert (want[mask] < 0).all()
+    torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_micro_batches_hold_their_rows_back_to_back(setup, tmp_path):
+    checkpoint, batch = setup
+    (tmp_path / "padded").mkdir()
+    (tmp_path / "packed").mkdir()
+    (padded,) = run_ranks(_log_probs, 1, tmp_path / "padded", checkpoint, batch, {}, 4, None)
+    (packed,) = run_ranks(_log_probs, 1, tmp_path / "packed", checkpoint, batch, {}, 4, None, True)
+    ends = (batch["prompt_lengths"] + batch["response_mask"].sum(1)).long()
+    # one sequence per micro-batch, as long as its rows' tokens up to their response ends
+    assert [tuple(shape) for shape in packed["shapes"]] == [(1, int(ends[:4].sum())), (1, int(ends[4:].sum()))]
+    assert sum(rows * length for rows, length in padded["shapes"]) > sum(length for _, length in packed["shapes"])
+    mask = batch["response_mask"].bool()
+    got, want = torch.tensor(packed["log_probs"]), torch.tensor(padded["log_probs"])
     torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)
 
 

@@ -1,5 +1,6 @@
 """The rollout weight stream (megatron_bridge.weights.export) on CPU gloo ranks: bit-exact tensors in the
-rollout dtype, EP-aware routing (each rollout rank gets exactly its experts), size-bounded buckets.
+rollout dtype, EP-aware routing (each rollout rank gets exactly its experts), size-bounded buckets,
+with either expert layout (grouped experts, megatron's SequentialMLP).
 The round trip for every training layout runs inside verify (tests/test_actor_parity.py)."""
 
 import warnings
@@ -71,9 +72,10 @@ def _export_cases(rank, world_size, checkpoint, train_kwargs):
     seen, differ, _ = round_trip(actor.chunks, spec, checkpoint, torch.float32)
     results["round_trip_clean"] = differ
     params = dict(unwrap(actor.chunks[0]).named_parameters())
-    name = next(n for n in params if n.endswith("layers.1.mlp.experts.local_experts.0.linear_fc2.weight"))
+    fc2 = ("layers.1.mlp.experts.fc2_weight", "layers.1.mlp.experts.local_experts.0.linear_fc2.weight")
+    name = next(n for n in params if n.endswith(fc2))
     with torch.no_grad():
-        params[name][0, 0] += 1.0
+        params[name].view(-1)[0] += 1.0  # local expert 0's fc2 [0, 0], stacked or alone
     results["round_trip_perturbed"] = round_trip(actor.chunks, spec, checkpoint, torch.float32)[1]
     return results
 
@@ -122,10 +124,14 @@ def _bucket_checks(results):
     assert any("larger than the 0.05 MB bucket" in w for w in results[0]["oversized"]["warned"])
 
 
+EXPERT_LAYOUTS = {"grouped": {}, "sequential": {"grouped_gemm": False}}
+
+
 @pytest.mark.slow
-def test_stream_from_ep2_shards(checkpoint, tmp_path):
+@pytest.mark.parametrize("experts", list(EXPERT_LAYOUTS))
+def test_stream_from_ep2_shards(checkpoint, tmp_path, experts):
     """Train EP2 (experts 0-3 on rank 0, 4-7 on rank 1; dense tensors replicated)."""
-    results = run_ranks(_export_cases, 2, tmp_path, checkpoint, {"ep": 2, "etp": 1})
+    results = run_ranks(_export_cases, 2, tmp_path, checkpoint, {"ep": 2, "etp": 1, **EXPERT_LAYOUTS[experts]})
     round_trips = [(r.pop("round_trip_clean"), r.pop("round_trip_perturbed")) for r in results]
     assert round_trips == [([], ["model.layers.1.mlp.experts.0.down_proj.weight"]),
                            ([], ["model.layers.1.mlp.experts.4.down_proj.weight"])]
@@ -141,9 +147,11 @@ def test_stream_from_ep2_shards(checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-def test_stream_from_tp2_shards(checkpoint, tmp_path):
+@pytest.mark.parametrize("experts", list(EXPERT_LAYOUTS))
+def test_stream_from_tp2_shards(checkpoint, tmp_path, experts):
     """Train TP2 with sequence parallel (ETP2: every expert split over both ranks)."""
-    results = run_ranks(_export_cases, 2, tmp_path, checkpoint, {"tp": 2, "sequence_parallel": True})
+    results = run_ranks(_export_cases, 2, tmp_path, checkpoint,
+                        {"tp": 2, "sequence_parallel": True, **EXPERT_LAYOUTS[experts]})
     round_trips = [(r.pop("round_trip_clean"), r.pop("round_trip_perturbed")) for r in results]
     # Both ranks changed their half of expert 0; rank 0 checks experts 0-3, rank 1 experts 4-7.
     assert round_trips == [([], ["model.layers.1.mlp.experts.0.down_proj.weight"]), ([], [])]

@@ -11,8 +11,8 @@ from megatron_bridge.weights.hf_mapping import (
     UnknownParameterError,
     hf_parts,
     hf_slices,
-    legacy_grouped,
-    split_legacy_grouped,
+    join_parts,
+    split_parts,
     to_hf,
     to_megatron,
 )
@@ -103,6 +103,7 @@ WHERE = ShardPlacement(layer_numbers={0: 2, 1: 3}, tp_rank=1, tp_size=2, ep_rank
         ("decoder.layers.0.mlp.experts.linear_fc1.weight1",
          ("model.layers.2.mlp.experts.5.gate_proj.weight", "model.layers.2.mlp.experts.5.up_proj.weight"), "gate_up"),
         ("decoder.layers.0.mlp.experts.linear_fc2.weight3", ("model.layers.2.mlp.experts.7.down_proj.weight",), "cols"),
+        # GroupedExperts and legacy GroupedMLP: one tensor holds all local experts (tested below)
         ("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "rows"),
         ("output_layer.weight", ("lm_head.weight",), "rows"),
         ("decoder.final_layernorm.weight", ("model.norm.weight",), "full"),
@@ -121,20 +122,43 @@ def test_unknown_names_are_refused():
             hf_parts(name, WHERE)
 
 
-def test_legacy_grouped_mlp_storage_matches_megatron_views():
-    """GroupedMLP reads weight1 as view(E, H, -1) and weight2 as view(E, -1, H)."""
-    h, i, experts = 6, 4, 3
-    fc1 = [torch.randn(2 * i, h) for _ in range(experts)]
-    fc2 = [torch.randn(h, i) for _ in range(experts)]
-    w1, w2 = legacy_grouped("mlp.experts.weight1", fc1), legacy_grouped("mlp.experts.weight2", fc2)
-    assert w1.shape == (h, experts * 2 * i) and w2.shape == (experts * i, h)
+@pytest.mark.parametrize("module, fc1, fc2", [
+    ("GroupedExperts", "decoder.layers.1.mlp.experts.fc1_weight", "decoder.layers.1.mlp.experts.fc2_weight"),
+    ("GroupedMLP", "decoder.layers.1.mlp.experts.weight1", "decoder.layers.1.mlp.experts.weight2"),
+])
+def test_tensors_of_all_local_experts_hold_them_as_megatron_reads_them(module, fc1, fc2):
+    """GroupedExperts stacks each expert's fc1 [2I, H] / fc2 [H, I] as [E, 2I, H] / [E, H, I];
+    GroupedMLP reads weight1 as view(E, H, -1) and weight2 as view(E, -1, H) (each transposed)."""
+    h, i, experts = 6, 4, WHERE.num_local_experts
+    w_fc1 = [torch.randn(2 * i, h) for _ in range(experts)]
+    w_fc2 = [torch.randn(h, i) for _ in range(experts)]
+    t1, t2 = join_parts(fc1, w_fc1), join_parts(fc2, w_fc2)
+    if module == "GroupedExperts":
+        assert t1.shape == (experts, 2 * i, h) and t2.shape == (experts, h, i)
+        views = t1, t2
+    else:
+        assert t1.shape == (h, experts * 2 * i) and t2.shape == (experts * i, h)
+        views = t1.view(experts, h, -1).transpose(1, 2), t2.view(experts, -1, h).transpose(1, 2)
     for e in range(experts):
-        assert torch.equal(w1.view(experts, h, -1)[e], fc1[e].t())
-        assert torch.equal(w2.view(experts, -1, h)[e], fc2[e].t())
-    assert all(torch.equal(a, b) for a, b in zip(split_legacy_grouped("x.weight1", w1, experts), fc1))
-    assert all(torch.equal(a, b) for a, b in zip(split_legacy_grouped("x.weight2", w2, experts), fc2))
-    parts = hf_parts("decoder.layers.1.mlp.experts.weight1", WHERE)
-    assert [p.hf_names[0] for p in parts] == [f"model.layers.3.mlp.experts.{e}.gate_proj.weight" for e in range(4, 8)]
+        assert torch.equal(views[0][e], w_fc1[e]) and torch.equal(views[1][e], w_fc2[e])
+    for name, tensor, per_expert in ((fc1, t1, w_fc1), (fc2, t2, w_fc2)):
+        back = split_parts(name, tensor, experts)
+        assert all(torch.equal(a, b) for a, b in zip(back, per_expert, strict=True))
+        assert all(b.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() for b in back)  # views
+    # one part per local expert, global ids of EP rank 1 in order
+    parts = hf_parts(fc1, WHERE)
+    assert [p.hf_names for p in parts] == [(f"model.layers.3.mlp.experts.{e}.gate_proj.weight",
+                                            f"model.layers.3.mlp.experts.{e}.up_proj.weight") for e in range(4, 8)]
+    assert {(p.kind, p.rank, p.size) for p in parts} == {("gate_up", 0, 1)}
+    assert [p.hf_names for p in hf_parts(fc2, WHERE)] == [(f"model.layers.3.mlp.experts.{e}.down_proj.weight",)
+                                                          for e in range(4, 8)]
+
+
+def test_a_tensor_of_one_expert_or_none_is_its_own_part():
+    dense = torch.randn(3, 2)
+    for name in ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", "decoder.layers.0.mlp.router.weight",
+                 "output_layer.weight"):
+        assert join_parts(name, [dense]) is dense and split_parts(name, dense, 1) == [dense]
 
 
 def test_fused_transformers5_checkpoint_reads_like_the_hub_format(tmp_path):

@@ -80,7 +80,13 @@ def _gather_vocab(shard: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def _compare_with_full_vocab(rank: int, world_size: int, dtype: torch.dtype, temperature: float) -> dict:
-    from loss.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
+
+    def log_probs_and_entropy(logits, target):  # every position, as [3, 5]
+        lp, ent = vocab_parallel_log_probs_and_entropy(
+            logits.flatten(0, 1), torch.arange(target.numel()), target.flatten(), temperature
+        )
+        return lp.view(target.shape), ent.view(target.shape)
 
     gen = torch.Generator().manual_seed(0)
     full = 3 * torch.randn(3, 5, VOCAB, generator=gen)
@@ -92,16 +98,15 @@ def _compare_with_full_vocab(rank: int, world_size: int, dtype: torch.dtype, tem
 
     shard = _my_shard(full, rank, world_size).requires_grad_()
     before = shard.detach().clone()
-    log_probs = vocab_parallel_log_probs(shard, target, temperature)
+    log_probs, _ = log_probs_and_entropy(shard, target)
     (grad_lp,) = torch.autograd.grad((log_probs * weights[0]).sum(), shard)
-    entropy = vocab_parallel_entropy(shard, temperature)
+    _, entropy = log_probs_and_entropy(shard, target)
     (grad_ent,) = torch.autograd.grad((entropy * weights[1]).sum(), shard)
-    # Forward only on a plain tensor: for float32 and T = 1 megatron's in-place max subtraction
-    # would land exactly on this tensor if it were passed through.
+    # Forward only on a plain tensor: an in-place step on a float32 input at T = 1 would land
+    # exactly on this tensor if it were passed through.
     plain = _my_shard(full, rank, world_size)
     with torch.no_grad():
-        vocab_parallel_log_probs(plain, target, temperature)
-        vocab_parallel_entropy(plain, temperature)
+        log_probs_and_entropy(plain, target)
 
     ref = full.double().requires_grad_()
     ref_lp = torch.log_softmax(ref / temperature, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -122,8 +127,7 @@ def _compare_with_full_vocab(rank: int, world_size: int, dtype: torch.dtype, tem
 def _response_positions(rank: int, world_size: int) -> dict:
     from loss.megatron_hook import response_log_probs
 
-    # Row 1's response runs to the end of the sequence, so its last window slot (j = 3) would
-    # index position 8 of 8; row 2 has an empty response.
+    # Row 1's response runs to the end of the sequence; row 2 has an empty response.
     prompt_lengths = torch.tensor([2, 5, 1, 3])
     response_lengths = torch.tensor([4, 3, 0, 2])
     width, temperature = 4, 0.9
@@ -131,9 +135,10 @@ def _response_positions(rank: int, world_size: int) -> dict:
     input_ids = torch.randint(0, VOCAB, (4, 8), generator=gen)
     full = torch.randn(4, 8, VOCAB, generator=gen)
     mask = torch.arange(width) < response_lengths.unsqueeze(-1)
+    batch = {"input_ids": input_ids, "prompt_lengths": prompt_lengths, "response_mask": mask.long()}
 
     shard = _my_shard(full, rank, world_size).requires_grad_()
-    log_probs, entropy = response_log_probs(shard, input_ids, prompt_lengths, width, temperature, True)
+    log_probs, entropy = response_log_probs(shard, batch, temperature, True)
     (grad,) = torch.autograd.grad(torch.where(mask, log_probs, 0.0).sum(), shard)
     ref_lp, ref_ent = _loop_response(full, input_ids, prompt_lengths, response_lengths, width, temperature)
 
@@ -141,12 +146,12 @@ def _response_positions(rank: int, world_size: int) -> dict:
     read = torch.zeros(4, 8, dtype=torch.bool)
     for i, (p, n) in enumerate(zip(prompt_lengths.tolist(), response_lengths.tolist())):
         read[i, p - 1 : p - 1 + n] = True
-    _, no_entropy = response_log_probs(shard, input_ids, prompt_lengths, width, temperature, False)
+    _, no_entropy = response_log_probs(shard, batch, temperature, False)
     return {
         "shapes": [list(log_probs.shape), list(entropy.shape)],
         "lp_err": _max_err(log_probs[mask], ref_lp[mask]),
         "ent_err": _max_err(entropy[mask], ref_ent[mask]),
-        "all_finite": bool(log_probs.isfinite().all() and entropy.isfinite().all()),
+        "zero_past_responses": bool((log_probs[~mask] == 0).all() and (entropy[~mask] == 0).all()),
         "read_positions_ok": torch.equal(grad.abs().sum(-1) > 0, read),
         "no_entropy_is_none": no_entropy is None,
         "logits_max": float(full.abs().max()) / temperature,
@@ -190,7 +195,7 @@ def test_vocab_parallel_matches_full_vocabulary(vocab_results, dtype, temperatur
 def test_response_log_probs_reads_the_right_positions(vocab_results):
     for rank, results in enumerate(vocab_results):
         r = results["response"]
-        assert r["shapes"] == [[4, 4], [4, 4]] and r["all_finite"] and r["no_entropy_is_none"], (rank, r)
+        assert r["shapes"] == [[4, 4], [4, 4]] and r["zero_past_responses"] and r["no_entropy_is_none"], (rank, r)
         tolerance = log_softmax_tolerance(r["logits_max"], "float32")
         assert r["lp_err"] < tolerance and r["ent_err"] < tolerance, (rank, r)
         assert r["read_positions_ok"], f"rank {rank}: gradient reached other positions than p + j - 1"
@@ -358,9 +363,7 @@ def _log_prob_func_case() -> dict:
     leaf = logits.clone().requires_grad_()
     loss, outputs = log_prob_func(0.8, True, batch, leaf)
     _, only_lp = log_prob_func(0.8, False, batch, leaf)
-    expected_lp, expected_ent = response_log_probs(
-        logits, batch["input_ids"], batch["prompt_lengths"], WIDTH, 0.8, True
-    )
+    expected_lp, expected_ent = response_log_probs(logits, batch, 0.8, True)
     return {
         "loss": [loss.dim(), loss.item()],
         "keys": [sorted(outputs), sorted(only_lp)],
@@ -420,14 +423,11 @@ def test_log_prob_func_returns_zero_loss_and_detached_outputs(hook_results):
 # --- in-process: rollout IS weights from the micro-batch (full vocabulary = TP 1, no megatron) ----
 @pytest.fixture
 def torch_only_hook(monkeypatch):
-    """The hook module with its vocab-parallel functions replaced by their TP-1 meaning in plain torch."""
+    """The hook module with megatron's TP group replaced by one rank (nothing to all-reduce), in process."""
     import loss.megatron_hook as hook
+    import loss.vocab_parallel
 
-    def log_probs(logits, target, temperature):
-        return torch.log_softmax(logits.float() / temperature, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-
-    monkeypatch.setattr(hook, "vocab_parallel_log_probs", log_probs)
-    monkeypatch.setattr(hook, "vocab_parallel_entropy", lambda logits, t: entropy_from_logits(logits.float() / t))
+    monkeypatch.setattr(loss.vocab_parallel, "_tp_group_rank_size", lambda: (None, 0, 1))
     return hook
 
 
@@ -457,9 +457,7 @@ def test_policy_loss_func_applies_rollout_is_weights_from_the_micro_batch(torch_
     assert torch.equal(ones_loss, plain_loss) and torch.equal(ones_grad, plain_grad)
 
     loss, grad, metrics = _whole_batch_loss(torch_only_hook, cfg, weighted, logits)
-    log_probs, _ = torch_only_hook.response_log_probs(
-        logits, batch["input_ids"], batch["prompt_lengths"], WIDTH, cfg.temperature, False
-    )
+    log_probs, _ = torch_only_hook.response_log_probs(logits, batch, cfg.temperature, False)
     expected_pg, _ = compute_policy_loss(
         cfg.loss_mode, batch["old_log_probs"], log_probs, batch["advantages"], mask, cfg.policy,
         rollout_is_weights=weights,
@@ -498,6 +496,12 @@ def test_config_rejects_unknown_choices_naming_field_and_choices(field, value, l
 def test_config_rejects_non_positive_temperature(temperature):
     with pytest.raises(ValueError, match="temperature"):
         ActorLossConfig(temperature=temperature)
+
+
+def test_config_rejects_negative_log_prob_chunk_size():
+    assert ActorLossConfig(log_prob_chunk_size=0).log_prob_chunk_size == 0  # one chunk: no chunking
+    with pytest.raises(ValueError, match="log_prob_chunk_size"):
+        ActorLossConfig(log_prob_chunk_size=-1)
 
 
 def test_config_defaults_are_verls_and_the_recipes_and_frozen():

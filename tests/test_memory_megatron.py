@@ -53,13 +53,17 @@ def _measure(rank, world_size, train_kwargs):
     }
 
 
-LAYOUTS = {
+LAYOUTS = {  # grouped experts (the default: two stacked parameters per layer) unless named sequential
     "dp2": (2, dict()),
     "ep2": (2, dict(ep=2, etp=1)),
     "tp2_sp_ep2_etp1": (4, dict(tp=2, ep=2, etp=1, sequence_parallel=True)),
     "pp2_vpp2": (4, dict(pp=2, vpp=2)),
     "tp2_pp2_etp2": (4, dict(tp=2, pp=2, etp=2, sequence_parallel=True)),
     "ep4": (4, dict(ep=4, etp=1)),
+    # megatron's SequentialMLP: two parameters per expert
+    "dp2_sequential": (2, dict(grouped_gemm=False)),
+    "ep2_sequential": (2, dict(ep=2, etp=1, grouped_gemm=False)),
+    "tp2_pp2_etp2_sequential": (4, dict(tp=2, pp=2, etp=2, sequence_parallel=True, grouped_gemm=False)),
 }
 
 

@@ -36,6 +36,8 @@ LAYOUTS = {
     "pp2_vpp2": (2, dict(pp=2, vpp=2)),
     "ep2": (2, dict(ep=2, etp=1)),
     "tp2_ep2": (4, dict(tp=2, ep=2, etp=1, sequence_parallel=True)),
+    # packed micro-batches: the routers see the rows back to back, with sequence parallel a slice of that
+    "tp2_sp_packed": (2, dict(tp=2, sequence_parallel=True, pack=True)),
 }
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 _GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
@@ -117,7 +119,8 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.weights.export import local_hf_slices
 
-    train = TrainParallel(**train_kwargs)
+    pack = train_kwargs.get("pack", False)  # the actor's, beside the layout's keys
+    train = TrainParallel(**{k: v for k, v in train_kwargs.items() if k != "pack"})
     initialize_parallel(train)
     spec = load_model_spec(ckpt_a)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -138,7 +141,7 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
             lp = actor.forward_only(rows, micro, partial(log_prob_func, 1.0, False))["log_probs"]
         return lp, out.record
 
-    actor_a = MegatronActor(spec, train, fp32, None, "cpu")
+    actor_a = MegatronActor(spec, train, fp32, None, "cpu", pack)
     actor_a.load_hf(ckpt_a)
     tap_a = RoutingTap(actor_a.chunks, spec.moe_topk, train.sequence_parallel)
     actor_a.forward_context = tap_a.micro_batch
@@ -150,7 +153,7 @@ def _replay(rank, world_size, ckpt_a, ckpt_b, train_kwargs, batch, source, force
     repeat = routing_change(captured, table(again.record), valid_tokens(batch), "repeat")
 
     optim = OptimConfig(lr=1e-3, adam_eps=1e-4, weight_decay=0.0, clip_grad=1.0)
-    actor_b = MegatronActor(spec, train, fp32, optim, "cpu")
+    actor_b = MegatronActor(spec, train, fp32, optim, "cpu", pack)
     actor_b.load_hf(ckpt_b)
     tap_b = RoutingTap(actor_b.chunks, spec.moe_topk, train.sequence_parallel)
     actor_b.forward_context = tap_b.micro_batch

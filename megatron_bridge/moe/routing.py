@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from megatron_bridge.moe.table import NONE, ROUTING_DTYPE, RoutingRecord, changed_slots, empty_routing
-from megatron_bridge.runtime.batch import RESPONSE_ENDS, ROUTED_EXPERTS, ROW_INDEX
+from megatron_bridge.runtime.batch import RESPONSE_ENDS, ROUTED_EXPERTS, ROW_INDEX, SEQUENCE_STARTS
 
 
 _wrapped = False
@@ -95,8 +95,9 @@ def replayed_gates(logits: torch.Tensor, experts: torch.Tensor, config) -> torch
 @dataclass
 class _MicroBatch:
     rows: torch.Tensor | None  # [b] row indices in the pass's batch (capture)
-    positions: slice  # the positions of the sequence this rank routes
-    valid: torch.Tensor  # [tokens] bool, in router order: positions before the row's response end
+    token_rows: torch.Tensor  # [tokens] in router order: the micro-batch row of each token this rank routes
+    token_positions: torch.Tensor  # [tokens]: its position in that row's sequence
+    valid: torch.Tensor  # [tokens] bool: a real token, before its row's response end
     targets: dict[int, torch.Tensor]  # layer number -> [tokens, k] experts to replay (-1: keep)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer number -> [tokens, k]
 
@@ -178,32 +179,26 @@ class RoutingTap:
 
     @contextlib.contextmanager
     def micro_batch(self, micro_batch: dict[str, torch.Tensor], seq_len: int) -> Iterator[None]:
-        """Around one micro-batch's model call (``micro_batch`` as the actor cuts it, padded to
-        ``seq_len``, with its rows' ``row_index`` and ``response_ends``)."""
+        """Around one micro-batch's model call (``micro_batch`` as the actor cuts it, ``seq_len``
+        tokens a sequence, with its rows' ``row_index`` and ``response_ends``; packed, one sequence
+        of its rows back to back, ``sequence_starts``)."""
         if self._pass is None:
             yield
             return
 
         ends = micro_batch[RESPONSE_ENDS]
-        positions = slice(0, seq_len)
-        if self.sequence_parallel:
-            from megatron.core import parallel_state as ps
-
-            share = seq_len // ps.get_tensor_model_parallel_world_size()
-            start = ps.get_tensor_model_parallel_rank() * share
-            positions = slice(start, start + share)
-        span = torch.arange(positions.start, positions.stop, device=ends.device)
-        valid = (span[:, None] < ends[None, :]).reshape(-1)  # router order: [s, b] flattened
+        token_rows, token_positions, real = _router_tokens(micro_batch, seq_len, self.sequence_parallel)
+        valid = real & (token_positions < ends[token_rows])
+        width = self._pass["width"]
+        within = real & (token_positions < width)  # the actor pads the tokens to a multiple of TP
         targets = {}
         if self._pass["replay"] and ROUTED_EXPERTS in micro_batch:
-            experts = micro_batch[ROUTED_EXPERTS]
-            if experts.shape[1] < positions.stop:  # the actor pads the tokens to a multiple of TP
-                experts = torch.nn.functional.pad(experts, (0, 0, 0, 0, 0, positions.stop - experts.shape[1]), value=NONE)
-            experts = experts[:, positions]  # [b, s_local, layers, k]
+            experts = micro_batch[ROUTED_EXPERTS].to(ends.device)
+            per_token = experts[token_rows, token_positions.clamp(max=experts.shape[1] - 1)].long()
+            per_token[~(within & (token_positions < experts.shape[1]))] = NONE  # [tokens, layers, k]
             for layer in self.layers:
-                target = experts[:, :, layer - 1].transpose(0, 1).reshape(-1, self.topk)
-                targets[layer] = _checked_target(target.to(ends.device).long(), self.routers[0].num_experts, layer)
-        self._micro = _MicroBatch(micro_batch.get(ROW_INDEX), positions, valid, targets)
+                targets[layer] = _checked_target(per_token[:, layer - 1], self.routers[0].num_experts, layer)
+        self._micro = _MicroBatch(micro_batch.get(ROW_INDEX), token_rows, token_positions, valid, targets)
         try:
             yield
         finally:
@@ -212,12 +207,10 @@ class RoutingTap:
             # one host copy per micro-batch and model chunk (with VPP a chunk runs some of this rank's layers)
             layers = sorted(micro.captured)
             stacked = torch.stack([micro.captured[layer] for layer in layers], dim=1).to(ROUTING_DTYPE).cpu()
-            values = stacked.view(-1, len(micro.rows), len(layers), self.topk).transpose(0, 1)  # [b, s_local, ., k]
-            kept = min(positions.stop, self._pass["width"]) - positions.start  # padding past the batch's width goes
-            if kept > 0:
-                index = (micro.rows.cpu()[:, None, None], torch.arange(positions.start, positions.start + kept)[None, :, None],
-                         torch.tensor([self.layers.index(layer) for layer in layers])[None, None, :])
-                self._pass["chunks"].append((index, values[:, :kept]))
+            kept = within.cpu()
+            index = (micro.rows.cpu()[micro.token_rows.cpu()[kept]][:, None], micro.token_positions.cpu()[kept][:, None],
+                     torch.tensor([self.layers.index(layer) for layer in layers])[None, :])
+            self._pass["chunks"].append((index, stacked[kept]))
 
     # --- the routing wrapper calls this ---------------------------------------------------
 
@@ -268,6 +261,30 @@ class RoutingTap:
     def remove(self) -> None:
         for router in self.routers:
             router.routing_tap = None
+
+
+def _router_tokens(micro_batch: dict[str, torch.Tensor], seq_len: int,
+                   sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each token this rank's routers see, in their order: its row in the micro-batch, its
+    position in that row's sequence, and whether it is a real token (not padding at the end of a
+    packed sequence). Routers see [s, b] flattened sequence-major (packed: b = 1, the rows back to
+    back); with sequence parallel, each TP rank its 1/TP slice of s."""
+    ends = micro_batch[RESPONSE_ENDS]
+    span = torch.arange(seq_len, device=ends.device)
+    if sequence_parallel:
+        from megatron.core import parallel_state as ps
+
+        share = seq_len // ps.get_tensor_model_parallel_world_size()
+        span = span[ps.get_tensor_model_parallel_rank() * share:][:share]
+    starts = micro_batch.get(SEQUENCE_STARTS)
+    if starts is None:
+        rows = len(ends)
+        token_rows = torch.arange(rows, device=ends.device).repeat(len(span))
+        return token_rows, span.repeat_interleave(rows), torch.ones_like(token_rows, dtype=torch.bool)
+    token_rows = torch.searchsorted(starts, span, right=True) - 1
+    positions = span - starts[token_rows]
+    last = starts[-1] + ends[-1].clamp(min=1)  # the packed sequence ends there, padding follows
+    return token_rows, positions, span < last
 
 
 def _checked_target(target: torch.Tensor, num_experts: int, layer: int) -> torch.Tensor:

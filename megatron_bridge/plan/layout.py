@@ -54,6 +54,18 @@ class TrainParallel:
     recompute_granularity: str | None = None  # full | selective | None
     recompute_method: str | None = None  # uniform | block (full only)
     recompute_num_layers: int | None = None
+    # The compute paths (verl's override_transformer_config switches; docs/kernels.md): what runs
+    # where is resolved on the device by megatron_bridge.runtime.kernels.
+    flash_attn: bool = True  # fused attention linear in s (TE / MindSpeed / torch SDPA); false: megatron's local one
+    grouped_gemm: bool = True  # the local experts as grouped GEMMs; false: megatron's SequentialMLP loop
+    permute_fusion: bool = False  # fused token permutation (Transformer Engine >= 2.1 or MindSpeed only)
+
+    @property
+    def layout_only(self) -> dict[str, Any]:
+        """The fields that say where each shard lives, not which kernels compute it (a checkpoint
+        written with one set of kernels is the same shards for another)."""
+        kernels = ("flash_attn", "grouped_gemm", "permute_fusion")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in kernels}
 
     @property
     def expert_tp(self) -> int:
@@ -145,10 +157,14 @@ _TRAIN_KEYS = {
     "grad_offload": "grad_offload",
     "optimizer_offload": "optimizer_offload",
 }
-_RECOMPUTE_KEYS = {
+# actor.megatron.override_transformer_config: megatron TransformerConfig settings that are not layout
+_TRANSFORMER_KEYS = {
     "recompute_granularity": "recompute_granularity",
     "recompute_method": "recompute_method",
     "recompute_num_layers": "recompute_num_layers",
+    "use_flash_attn": "flash_attn",
+    "moe_grouped_gemm": "grouped_gemm",
+    "moe_permute_fusion": "permute_fusion",
 }
 _ROLLOUT_KEYS = {
     "tensor_model_parallel_size": "tp",
@@ -221,7 +237,7 @@ _CHILDREN = {
     "actor_rollout_ref": ["actor", "rollout"],
     "actor": ["megatron"],
     "megatron": list(_TRAIN_KEYS) + ["override_transformer_config"],
-    "override_transformer_config": list(_RECOMPUTE_KEYS),
+    "override_transformer_config": list(_TRANSFORMER_KEYS),
     "rollout": list(_ROLLOUT_KEYS),
 }
 
@@ -233,10 +249,10 @@ def _pick(section: Mapping[str, Any], mapping: dict[str, str]) -> dict[str, Any]
 def layout_from_dict(data: Mapping[str, Any], name: str) -> Layout:
     check_keys(data, ["trainer", "actor_rollout_ref"], name)
     megatron = _section(data, ["actor_rollout_ref", "actor", "megatron"], name)
-    recompute = _section(megatron, ["override_transformer_config"], f"{name}.actor_rollout_ref.actor.megatron")
+    transformer = _section(megatron, ["override_transformer_config"], f"{name}.actor_rollout_ref.actor.megatron")
     rollout = _section(data, ["actor_rollout_ref", "rollout"], name)
     cluster = _section(data, ["trainer"], name)
-    train_values = {**_pick(megatron, _TRAIN_KEYS), **_pick(recompute, _RECOMPUTE_KEYS)}
+    train_values = {**_pick(megatron, _TRAIN_KEYS), **_pick(transformer, _TRANSFORMER_KEYS)}
     layout = Layout(
         name=name,
         train=_typed(TrainParallel, train_values, f"{name}: actor_rollout_ref.actor.megatron"),
@@ -279,7 +295,7 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
     t, r, c = layout.train, layout.rollout, layout.cluster
     inv = lambda mapping, obj: {k: getattr(obj, v) for k, v in mapping.items()}  # noqa: E731
     megatron = inv(_TRAIN_KEYS, t)
-    megatron["override_transformer_config"] = inv(_RECOMPUTE_KEYS, t)
+    megatron["override_transformer_config"] = inv(_TRANSFORMER_KEYS, t)
     return {
         "trainer": inv(_CLUSTER_KEYS, c),
         "actor_rollout_ref": {"actor": {"megatron": megatron}, "rollout": inv(_ROLLOUT_KEYS, r)},

@@ -23,25 +23,36 @@ import torch
 
 from loss.megatron_hook import MiniBatchNorm
 from megatron_bridge.runtime.batch import (
+    CU_SEQLENS,
     INPUT_IDS,
     POSITION_IDS,
     RESPONSE_ENDS,
     RESPONSE_MASK,
     ROW_INDEX,
+    SEQUENCE_STARTS,
     response_ends,
 )
 from megatron_bridge.runtime.optim import OptimConfig
 from megatron_bridge.plan.layout import TrainParallel
 from megatron_bridge.weights.load import LoadReport, load_hf_checkpoint
+from megatron_bridge.runtime.kernels import resolve
 from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 from megatron_bridge.runtime.offload import HostCopy, training_storages
 from megatron_bridge.plan.model_spec import ModelSpec
 
 def initialize_parallel(train: TrainParallel, seed: int = 1234) -> None:
-    """Megatron's process groups for ``train`` (torch.distributed must be up, platform active)."""
+    """Megatron's process groups for ``train`` (torch.distributed must be up, platform active); on the
+    NPU, MindSpeed's features for ``train`` first (before the groups, which its CP wraps, and before
+    any TransformerConfig, which copies its arguments when built)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron_bridge.runtime.platform import active
+
+    if active().name == "npu":
+        from megatron_bridge.runtime import mindspeed
+
+        mindspeed.apply(train)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=train.tp,
@@ -65,7 +76,9 @@ class MegatronActor:
     """This rank's shard of the model with its optimizer. Call ``initialize_parallel`` first."""
 
     def __init__(self, spec: ModelSpec, train: TrainParallel, options: BuildOptions, optim: OptimConfig | None,
-                 platform_name: str):
+                 platform_name: str, pack: bool = False):
+        """``pack``: each micro-batch's sequences back to back without padding (verl's
+        ``use_remove_padding``), where the attention takes packed sequences (``packs``)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -74,6 +87,12 @@ class MegatronActor:
         # Batches arrive on the host; tensors that take part in collectives must be on the device.
         self.device = torch.device("cpu") if platform_name == "cpu" else torch.device(
             platform_name, torch.cuda.current_device())
+        self.kernels = resolve(train, platform_name)
+        self.packs = pack and train.flash_attn  # megatron's DotProductAttention cannot keep packed sequences apart
+        if platform_name == "npu":  # initialize_parallel applied MindSpeed's features for these switches
+            from megatron_bridge.runtime import mindspeed
+
+            mindspeed.check_applied(train, self.packs, dispatcher=options.dispatcher or "alltoall")
         self.config, chunks = build_model_chunks(spec, train, options, platform_name)
         self.config.finalize_model_grads_func = finalize_model_grads
         ddp_config = DistributedDataParallelConfig(
@@ -156,7 +175,9 @@ class MegatronActor:
         longest sequence; or, with a token budget ``max_tokens``, rows of similar length together,
         each micro-batch padded to its own longest (``token_budget_runs``). Every rank cuts alike
         (the lengths are maxed over all ranks first): a micro-batch must have the same shape on
-        every rank for the allgather dispatcher's equal-size gathers and the pipeline's p2p."""
+        every rank for the allgather dispatcher's equal-size gathers and the pipeline's p2p.
+        Packed (``packs``), a micro-batch's rows go back to back up to their response ends in one
+        sequence, padded at its end only, and a token budget counts their tokens."""
         self._require_on_device()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         ends = response_ends(batch)
@@ -179,11 +200,26 @@ class MegatronActor:
             longest = lengths_of_rows[order]
             torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
             # the interleaved schedule takes micro-batches in groups of PP
-            runs = token_budget_runs(longest.tolist(), max_tokens, multiple, self.train.pp if self.train.vpp else 1)
+            runs = token_budget_runs(longest.tolist(), max_tokens, multiple, self.train.pp if self.train.vpp else 1,
+                                     packed=self.packs)
             groups = [order[start:end] for start, end in runs]
             lengths = [int(longest[start]) for start, _ in runs]
+        if self.packs:
+            return self._packed_micro_batches(batch, groups, ends)
         return [_padded(batch, rows, math.ceil(length / multiple) * multiple, ends)
                 for rows, length in zip(groups, lengths)]
+
+    def _packed_micro_batches(self, batch: dict[str, torch.Tensor], groups: list[torch.Tensor],
+                              ends: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """One packed sequence per group of rows, its length the largest over all ranks (rounded up
+        to TP); all of one length when the pipeline cannot send others."""
+        totals = torch.stack([ends[rows].clamp(min=1).sum() for rows in groups])
+        torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.MAX)
+        if self.train.pp > 1 and not self.config.variable_seq_lengths:
+            totals = totals.max().expand_as(totals)
+        multiple = self.train.tp
+        return [_packed(batch, rows, math.ceil(int(total) / multiple) * multiple, ends)
+                for rows, total in zip(groups, totals)]
 
     def _run(self, micro_batches: list, loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -191,7 +227,8 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
             with self.forward_context(mb, mb[INPUT_IDS].shape[1]):
-                output = model(input_ids=mb[INPUT_IDS], position_ids=mb[POSITION_IDS], attention_mask=None)
+                output = model(input_ids=mb[INPUT_IDS], position_ids=mb[POSITION_IDS], attention_mask=None,
+                               packed_seq_params=_packed_seq_params(mb))
             return output, partial(loss_fn, mb)
 
         iterators = [iter(micro_batches) for _ in self.chunks]
@@ -293,15 +330,20 @@ class MegatronActor:
         ]
 
 
-def token_budget_runs(lengths: list[int], max_tokens: int, multiple: int, runs_multiple_of: int = 1) -> list[tuple[int, int]]:
+def token_budget_runs(lengths: list[int], max_tokens: int, multiple: int, runs_multiple_of: int = 1,
+                      packed: bool = False) -> list[tuple[int, int]]:
     """Micro-batches by token budget: [start, end) runs of ``lengths`` (sorted longest first), each
-    as long as its padded size (rows x its first length rounded up to ``multiple``) fits
-    ``max_tokens``. Sorted rows put similar lengths together, so each micro-batch pads little.
+    as long as its padded size (rows x its first length rounded up to ``multiple``; ``packed``:
+    the sum of its lengths rounded up) fits ``max_tokens``. Sorted rows put similar lengths
+    together, so each micro-batch pads little.
     The number of runs is made a multiple of ``runs_multiple_of`` when there are rows enough, by
     halving the runs with the most rows (megatron-core 0.12.1's interleaved schedule takes the
     micro-batches in groups of PP and refuses a partial last group)."""
     def padded(n: int) -> int:
         return math.ceil(n / multiple) * multiple
+
+    def size(start: int, end: int) -> int:
+        return padded(sum(lengths[start:end])) if packed else (end - start) * padded(lengths[start])
 
     if padded(lengths[0]) > max_tokens:
         raise ValueError(f"a sequence of {lengths[0]} tokens (padded to {padded(lengths[0])}) does not fit the token "
@@ -310,7 +352,7 @@ def token_budget_runs(lengths: list[int], max_tokens: int, multiple: int, runs_m
     runs, start = [], 0
     while start < len(lengths):
         end = start + 1
-        while end < len(lengths) and (end - start + 1) * padded(lengths[start]) <= max_tokens:
+        while end < len(lengths) and size(start, end + 1) <= max_tokens:
             end += 1
         runs.append((start, end))
         start = end
@@ -331,6 +373,35 @@ def _padded(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, en
         ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]))
     positions = torch.arange(seq_len, device=ids.device).expand_as(ids)
     return {**part, INPUT_IDS: ids, POSITION_IDS: positions, ROW_INDEX: rows, RESPONSE_ENDS: ends[rows]}
+
+
+def _packed(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, ends: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch's ``rows`` with their tokens up to their response ends back to back in one
+    sequence of ``seq_len`` tokens (zeros after them), each row's positions from 0."""
+    part = {k: v[rows] for k, v in batch.items()}
+    sizes = ends[rows].clamp(min=1)
+    width = part[INPUT_IDS].shape[1]
+    kept = torch.arange(width, device=sizes.device) < sizes[:, None]
+    total = int(sizes.sum())
+    ids = part[INPUT_IDS].new_zeros(1, seq_len)
+    ids[0, :total] = part[INPUT_IDS][kept]
+    positions = torch.zeros_like(ids)
+    positions[0, :total] = torch.arange(width, device=ids.device).expand_as(kept)[kept]
+    bounds = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)] + ([sizes.new_tensor([seq_len])] if seq_len > total else []))
+    return {**part, INPUT_IDS: ids, POSITION_IDS: positions, ROW_INDEX: rows, RESPONSE_ENDS: ends[rows],
+            SEQUENCE_STARTS: bounds[: len(sizes)], CU_SEQLENS: bounds.to(torch.int32)}
+
+
+def _packed_seq_params(micro_batch: dict[str, torch.Tensor]):
+    """megatron's description of a packed micro-batch (``thd``), None for a padded one."""
+    if CU_SEQLENS not in micro_batch:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = micro_batch[CU_SEQLENS]
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 def _optimizers(optimizer) -> list:

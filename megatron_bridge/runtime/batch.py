@@ -15,7 +15,10 @@ A batch is a dict of tensors, one row per sequence: prompt then response, right-
 Response token j of row i is ``input_ids[i, prompt_lengths[i] + j]``. The actor passes every key
 through to the loss hook (``loss.megatron_hook``, which reads its inputs by these names) and adds
 to each micro-batch ``position_ids``, ``row_index`` (the rows' indices in the pass's batch) and
-``response_ends``, so that the routing tap reads the ends the actor cut the micro-batch with.
+``response_ends``, so that the routing tap reads the ends the actor cut the micro-batch with. A
+packed micro-batch (``use_remove_padding``) holds its rows' tokens up to their response ends back to
+back in ``input_ids`` [1, T], with ``sequence_starts`` and ``cu_seqlens``; the per-row keys keep
+their [b, ...] shapes.
 
 It lives here, beside the actor, because ``megatron_bridge`` may not import ``recipe`` while the
 recipe may import ``megatron_bridge``; it names the loss hook's inputs but computes nothing of the
@@ -40,6 +43,9 @@ ROUTED_EXPERTS = "routed_experts"
 POSITION_IDS = "position_ids"
 ROW_INDEX = "row_index"
 RESPONSE_ENDS = "response_ends"
+# ... and to each packed one (its rows back to back in one sequence of the input_ids [1, T])
+SEQUENCE_STARTS = "sequence_starts"  # [b]: where each row's tokens begin in the packed sequence
+CU_SEQLENS = "cu_seqlens"  # [b + 1 or b + 2] int32: sequence boundaries (a trailing padding segment last)
 
 
 class ReplayMode(str, Enum):

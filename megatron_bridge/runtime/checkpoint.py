@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -163,7 +162,7 @@ class _OptimizerState:
 
 
 def _layout(actor: "MegatronActor") -> dict:
-    return {"world_size": torch.distributed.get_world_size(), "train_layout": asdict(actor.train)}
+    return {"world_size": torch.distributed.get_world_size(), "train_layout": actor.train.layout_only}
 
 
 @contextmanager

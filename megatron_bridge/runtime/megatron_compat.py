@@ -2,7 +2,8 @@
 every platform: the CPU path has neither, and a GPU install may lack both (on an H200 without them
 every optimizer step failed before these covers, docs/bench_device.md). Each cover changes nothing
 where the installed packages already work: with TE, Apex or MindSpeed's fused optimizer and on
-torch 2.7 the original functions run unchanged.
+torch 2.7 the original functions run unchanged. One more replaces a loop with one call for packed
+micro-batches (``_cover_packed_rope``), with the loop's numbers.
 """
 
 from __future__ import annotations
@@ -103,6 +104,29 @@ def _cover_adam_state(optimizer_class) -> None:
     optimizer_class.load_state_dict = load_state_dict_own_steps
 
 
+def _cover_packed_rope() -> None:
+    """megatron-core 0.12.1 rotates a packed (``thd``) micro-batch one sequence at a time, a Python
+    loop of small operations per sequence, layer, query and key (on the CPU it doubled a forward of
+    32 short rows). Without context parallel the same rotation is one call: each token takes the
+    frequencies of its position within its own sequence, the values the loop gives it."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+
+    @functools.wraps(original)
+    def apply_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        if parallel_state.get_context_parallel_world_size() > 1:
+            return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+        positions = torch.arange(t.shape[0], device=t.device) - starts.repeat_interleave(lengths)
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    rope_utils._apply_rotary_pos_emb_thd = apply_thd
+
+
 def install() -> None:
     """Install the covers for this process (idempotent); after the platform's own adaptor."""
     global _installed
@@ -113,4 +137,5 @@ def install() -> None:
     _cover_fp8_quantize()
     _cover_torch_writer()
     _cover_adam_state(DistributedOptimizer)
+    _cover_packed_rope()
     _installed = True

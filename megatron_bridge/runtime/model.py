@@ -40,6 +40,9 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 def transformer_config(spec: ModelSpec, train: TrainParallel, options: BuildOptions, platform_name: str):
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_bridge.runtime.kernels import resolve
+
+    kernels = resolve(train, platform_name)
     dispatcher = options.dispatcher or ("allgather" if platform_name == "cpu" else "alltoall")
     recompute = train.recompute_granularity
     return TransformerConfig(
@@ -67,7 +70,8 @@ def transformer_config(spec: ModelSpec, train: TrainParallel, options: BuildOpti
         moe_aux_loss_coeff=spec.router_aux_loss_coef if options.aux_loss else 0.0,
         moe_router_dtype="fp32" if options.fp32_router else None,
         moe_token_dispatcher_type=dispatcher,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=train.grouped_gemm,
+        moe_permute_fusion=kernels.permute_fusion,
         tensor_model_parallel_size=train.tp,
         pipeline_model_parallel_size=train.pp,
         virtual_pipeline_model_parallel_size=train.vpp,
@@ -94,31 +98,48 @@ def transformer_config(spec: ModelSpec, train: TrainParallel, options: BuildOpti
         use_cpu_initialization=platform_name == "cpu",
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
+        # SwiGLU through megatron's bias_swiglu / weighted_bias_swiglu, which MindSpeed points at npu_swiglu
+        bias_activation_fusion=platform_name == "npu",
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
 
 
-def layer_spec(config, platform_name: str):
+def layer_spec(config, train: TrainParallel, platform_name: str):
     """Transformer Engine's spec when TE is importable (MindSpeed provides it on NPU), else
-    megatron's local spec with a sequence-parallel-capable RMSNorm."""
+    megatron's local spec with a sequence-parallel-capable RMSNorm; attention and experts as
+    ``megatron_bridge.runtime.kernels`` resolves the layout's switches."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if platform_name != "cpu":
-        try:
-            import transformer_engine  # noqa: F401
+    from megatron_bridge.runtime.kernels import resolve
 
-            return get_gpt_decoder_block_spec(config, use_transformer_engine=True)
-        except ImportError:
-            pass
-    block = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
+    if resolve(train, platform_name).transformer_engine:
+        block = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=True))
+        if not train.flash_attn:
+            for spec in block.layer_specs:
+                spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+        return block
+    from megatron_bridge.runtime.attention import SDPAttention
+    from megatron_bridge.runtime.experts import GroupedExperts
+
+    # megatron's local spec with moe_grouped_gemm would take its legacy GroupedMLP (which needs the
+    # grouped_gemm package): build the sequential one and put this package's experts in its place
+    sequential = copy.copy(config)
+    sequential.moe_grouped_gemm = False
+    block = copy.deepcopy(get_gpt_decoder_block_spec(sequential, use_transformer_engine=False, normalization="RMSNorm"))
     for spec in block.layer_specs:
         layer = spec.submodules
         layer.input_layernorm = SequenceParallelRMSNorm
         layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-        layer.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
-        layer.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = SequenceParallelRMSNorm
+        attention.k_layernorm = SequenceParallelRMSNorm
+        attention.core_attention = SDPAttention if train.flash_attn else DotProductAttention
+        if train.grouped_gemm:
+            layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     block.layer_norm = SequenceParallelRMSNorm
     return block
 
@@ -138,7 +159,7 @@ def build_model_chunks(spec: ModelSpec, train: TrainParallel, options: BuildOpti
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec(config, platform_name),
+                transformer_layer_spec=layer_spec(config, train, platform_name),
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.max_position_embeddings,
                 pre_process=pre,

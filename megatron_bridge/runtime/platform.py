@@ -45,7 +45,7 @@ def _activate_npu() -> None:
             "platform npu: megatron was imported before MindSpeed's adaptor; call "
             "megatron_bridge.runtime.platform.activate('npu') before importing megatron"
         )
-    for module in ("torch_npu", "torch_npu.contrib.transfer_to_npu", "mindspeed.megatron_adaptor"):
+    for module in ("torch_npu", "torch_npu.contrib.transfer_to_npu"):
         try:
             importlib.import_module(module)
         except ImportError as e:
@@ -53,6 +53,10 @@ def _activate_npu() -> None:
                 f"platform npu: cannot import {module} ({e}); install torch_npu and MindSpeed "
                 "(see README, 'Install on Ascend')"
             ) from e
+    from megatron_bridge.runtime import mindspeed
+
+    # MindSpeed parses sys.argv into its features at import: import it without this process's command line
+    mindspeed.import_adaptor()
     if not torch.npu.is_available():
         raise ConfigError("platform npu was requested but torch.npu.is_available() is False")
 

@@ -3,7 +3,9 @@ parallel layout, read back as Hugging Face tensors under their Hub names, one gr
 
 A checkpoint stores each model tensor as its global tensor, layers (and experts) as leading axes:
 ``decoder.layers.self_attention.linear_qkv.weight`` [layers, qkv rows, hidden],
-``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [layers, experts, 2 x ffn, hidden]. A
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [layers, experts, 2 x ffn, hidden], the
+same whether the experts were megatron's ``SequentialMLP`` or ``GroupedExperts`` (which writes
+``SequentialMLP``'s sharded tensors, ``megatron_bridge.runtime.experts``). A
 group is one such tensor, or one layer of a layer-stacked one (for the experts: one projection
 of all of one layer's experts), read with torch.distributed.checkpoint (only the stored chunks
 that overlap it; one process, no process group) and turned into HF tensors by

@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-from megatron_bridge.weights.hf_mapping import hf_parts, hf_slices, is_legacy_grouped, split_legacy_grouped, to_hf
+from megatron_bridge.weights.hf_mapping import hf_parts, hf_slices, split_parts, to_hf
 from megatron_bridge.weights.load import hf_shape, placement, unwrap
 from megatron_bridge.plan.model_spec import ModelSpec
 
@@ -74,9 +74,8 @@ def _local_parts(chunks: list[torch.nn.Module], spec: ModelSpec):
         where = placement(model)
         for name, param in model.named_parameters():
             parts = hf_parts(name, where)
-            values = param.detach()
-            shards = split_legacy_grouped(name, values, len(parts)) if is_legacy_grouped(name) else [values]
-            for part, shard in zip(parts, shards):
+            shards = split_parts(name, param.detach(), len(parts))
+            for part, shard in zip(parts, shards, strict=True):
                 shapes = [hf_shape(spec, n) for n in part.hf_names]
                 yield part.hf_names, hf_slices(part, shapes), (lambda part=part, shard=shard: to_hf(part, shard, spec))
 

@@ -1,14 +1,19 @@
 """Qwen3-MoE tensors: which Hugging Face tensors make up each megatron-core shard, and how.
 
-One table serves three megatron naming schemes, all of which can hold a Qwen3-MoE model:
+One table serves megatron's naming schemes, all of which can hold a Qwen3-MoE model:
 
-- local spec (CPU; ``SequentialMLP``): ``decoder.layers.N.input_layernorm.weight``,
-  ``mlp.experts.local_experts.{e}.linear_fc1.weight``
+- local spec: ``decoder.layers.N.input_layernorm.weight``; its experts as megatron's
+  ``SequentialMLP`` (``moe_grouped_gemm=False``), ``mlp.experts.local_experts.{e}.linear_fc1.weight``,
+  or as this package's ``GroupedExperts`` (``megatron_bridge.runtime.experts``), all local experts
+  stacked in one ``mlp.experts.fc1_weight`` [E_local, 2I/ETP, H] and ``fc2_weight`` [E_local, H, I/ETP]
 - Transformer Engine spec (GPU, and MindSpeed with ``--transformer-impl transformer_engine``):
   the input norm fused into ``self_attention.linear_qkv.layer_norm_weight``, grouped experts as
   ``mlp.experts.linear_fc1.weight{e}``
 - legacy ``GroupedMLP`` (MindSpeed's grouped-matmul path): all local experts in one
-  ``mlp.experts.weight1`` [H, E_local*2I/ETP] and ``weight2`` [E_local*I/ETP, H]
+  ``mlp.experts.weight1`` [H, E_local*2I/ETP] and ``weight2`` [E_local*I/ETP, H], each transposed
+
+A tensor that holds all local experts has one part per expert; ``join_parts`` and ``split_parts``
+turn the experts' shards into it and back.
 
 Conversions work on one shard at a time, in both directions, so a rank reads (and later sends)
 only the slice it owns:
@@ -73,11 +78,17 @@ _TOP_TENSORS = {
     "decoder.final_layernorm.weight": ("model.norm.weight", "full"),
     "output_layer.weight": ("lm_head.weight", "rows"),
 }
-_EXPERT_FC = {"linear_fc1": (("gate_proj", "up_proj"), "gate_up"), "linear_fc2": (("down_proj",), "cols")}
+_EXPERT_FC = {"1": (("gate_proj", "up_proj"), "gate_up"), "2": (("down_proj",), "cols")}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-_TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
-_LEGACY_GROUPED = {"mlp.experts.weight1": "linear_fc1", "mlp.experts.weight2": "linear_fc2"}
+# The expert tensors inside a decoder layer, by module: name pattern (``fc``: the projection, 1 or 2;
+# ``expert``: the local expert, for a tensor of one expert) and how a tensor of all local experts
+# stores them (None: it is one expert's [out, in]).
+_EXPERT_TENSORS = (
+    (re.compile(r"^mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc(?P<fc>[12])\.weight$"), None),  # SequentialMLP
+    (re.compile(r"^mlp\.experts\.linear_fc(?P<fc>[12])\.weight(?P<expert>\d+)$"), None),  # TEGroupedMLP
+    (re.compile(r"^mlp\.experts\.fc(?P<fc>[12])_weight$"), "stacked"),  # GroupedExperts: [E, out, in]
+    (re.compile(r"^mlp\.experts\.weight(?P<fc>[12])$"), "transposed"),  # legacy GroupedMLP
+)
 
 
 class UnknownParameterError(KeyError):
@@ -103,23 +114,61 @@ def hf_parts(name: str, where: ShardPlacement) -> list[HFPart]:
         rank, size = (where.tp_rank, where.tp_size) if kind in ("qkv", "cols") else (0, 1)
         return [HFPart(tuple(prefix + s for s in hf), kind, rank, size)]
 
-    def expert(local: int, fc: str) -> HFPart:
-        projs, kind = _EXPERT_FC[fc]
-        global_id = where.ep_rank * where.num_local_experts + local
-        names = tuple(f"{prefix}mlp.experts.{global_id}.{p}.weight" for p in projs)
-        return HFPart(names, kind, where.etp_rank, where.etp_size)
-
-    if m := _SEQUENTIAL_EXPERT.match(suffix):
-        return [expert(int(m[1]), m[2])]
-    if m := _TE_GROUPED_EXPERT.match(suffix):
-        return [expert(int(m[2]), m[1])]
-    if suffix in _LEGACY_GROUPED:
-        return [expert(e, _LEGACY_GROUPED[suffix]) for e in range(where.num_local_experts)]
-    raise UnknownParameterError(name)
+    match = _expert_tensor(suffix)
+    if match is None:
+        raise UnknownParameterError(name)
+    m, storage = match
+    projs, kind = _EXPERT_FC[m["fc"]]
+    local = range(where.num_local_experts) if storage else [int(m["expert"])]
+    first = where.ep_rank * where.num_local_experts
+    return [HFPart(tuple(f"{prefix}mlp.experts.{first + e}.{p}.weight" for p in projs), kind, where.etp_rank,
+                   where.etp_size) for e in local]
 
 
-def is_legacy_grouped(name: str) -> bool:
-    return any(name.endswith(suffix) for suffix in _LEGACY_GROUPED)
+def _expert_tensor(suffix: str) -> tuple[re.Match, str | None] | None:
+    """(match, storage) of an expert tensor's name inside a decoder layer; None for others."""
+    for pattern, storage in _EXPERT_TENSORS:
+        if m := pattern.match(suffix):
+            return m, storage
+    return None
+
+
+def _all_experts(name: str) -> tuple[str, str] | None:
+    """(storage, projection "1" / "2") of a local parameter that holds all local experts; None for
+    any other."""
+    layer = _LAYER.match(name)
+    match = _expert_tensor(layer[2]) if layer else None
+    if match is None or match[1] is None:
+        return None
+    return match[1], match[0]["fc"]
+
+
+def join_parts(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Local parameter ``name`` from the shards of its parts (``hf_parts``' order): the one shard,
+    or the local experts' fc1 [2I, H] / fc2 [H, I] in the tensor that holds them all."""
+    held = _all_experts(name)
+    if held is None:
+        (shard,) = shards
+        return shard
+    storage, fc = held
+    if storage == "stacked":
+        return torch.stack(shards)
+    # legacy GroupedMLP views weight1 as [E, H, 2I] and weight2 as [E, I, H]: each expert
+    # transposed, expert-major, in a 2-D tensor
+    stacked = torch.stack([w.t() for w in shards])
+    return stacked.reshape(stacked.shape[1], -1) if fc == "1" else stacked.reshape(-1, stacked.shape[2])
+
+
+def split_parts(name: str, tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Inverse of ``join_parts`` for ``parts`` parts: views of ``tensor``, no copies."""
+    held = _all_experts(name)
+    if held is None:
+        return [tensor]
+    storage, fc = held
+    if storage == "stacked":
+        return list(tensor.unbind(0))
+    per_expert = tensor.reshape(parts, tensor.shape[0], -1) if fc == "1" else tensor.reshape(parts, -1, tensor.shape[1])
+    return [w.t() for w in per_expert]
 
 
 def _chunk(n: int, rank: int, size: int, what: str) -> slice:
@@ -169,22 +218,3 @@ def to_hf(part: HFPart, shard: torch.Tensor, spec: ModelSpec) -> list[torch.Tens
     if part.kind == "gate_up":
         return list(shard.chunk(2, dim=0))
     return [shard]
-
-
-def legacy_grouped(name: str, experts: list[torch.Tensor]) -> torch.Tensor:
-    """GroupedMLP's storage of local experts: it views weight1 as [E, H, 2I] and weight2 as
-    [E, I, H], i.e. each expert's fc1/fc2 transposed, expert-major."""
-    stacked = torch.stack([w.t() for w in experts])
-    hidden = stacked.shape[1] if name.endswith("weight1") else stacked.shape[2]
-    return stacked.reshape(hidden, -1) if name.endswith("weight1") else stacked.reshape(-1, hidden)
-
-
-def split_legacy_grouped(name: str, tensor: torch.Tensor, num_local_experts: int) -> list[torch.Tensor]:
-    """Inverse of ``legacy_grouped``: each local expert's fc1 [2I, H] or fc2 [H, I]."""
-    if name.endswith("weight1"):
-        hidden = tensor.shape[0]
-        per_expert = tensor.reshape(num_local_experts, hidden, -1)
-    else:
-        hidden = tensor.shape[1]
-        per_expert = tensor.reshape(num_local_experts, -1, hidden)
-    return [w.t() for w in per_expert]

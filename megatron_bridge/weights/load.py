@@ -19,8 +19,7 @@ from megatron_bridge.weights.hf_mapping import (
     UnknownParameterError,
     hf_parts,
     hf_slices,
-    is_legacy_grouped,
-    legacy_grouped,
+    join_parts,
     to_megatron,
 )
 from megatron_bridge.plan.model_spec import ModelSpec
@@ -126,7 +125,7 @@ def _read_shard(ckpt: HFCheckpoint, spec: ModelSpec, name: str, parts: list[HFPa
         to_megatron(part, [ckpt.read(n, rows, cols) for n, (rows, cols) in zip(part.hf_names, part_slices)], spec)
         for part, part_slices in zip(parts, slices)
     ]
-    return legacy_grouped(name, shards) if is_legacy_grouped(name) else shards[0]
+    return join_parts(name, shards)
 
 
 def _agree(error: str | None) -> None:

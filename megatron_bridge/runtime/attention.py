@@ -1,0 +1,103 @@
+"""Core attention for megatron's local layer spec on ``torch.nn.functional.scaled_dot_product_attention``.
+
+megatron-core 0.12.1's local ``DotProductAttention`` materialises every head's [s, s] scores and
+probabilities (quadratic memory: 16.4 GiB for one 8k-token layer of Qwen3-30B-A3B, docs/kernels.md),
+and repeats K/V for grouped-query attention. SDPA dispatches to a fused kernel whose memory is
+linear in the sequence length: flash or memory-efficient attention on CUDA, the CPU's own flash
+kernel on the CPU; K/V heads stay grouped (``enable_gqa``).
+
+Same inputs and output as ``DotProductAttention`` (``[s, b, heads, head_dim]`` in, ``[s, b,
+heads x head_dim]`` out), causal, with the actor's padding convention: sequences are right-padded,
+so a causal mask alone keeps every real token from seeing padding. Packed micro-batches (``thd``,
+``PackedSeqParams`` with ``cu_seqlens``) attend within each sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Causal self-attention through SDPA, a drop-in for megatron's ``DotProductAttention``."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention attends within one rank's sequence: context_parallel_size must be 1")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention is causal self-attention; got attn_mask_type={attn_mask_type}")
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                attn_mask_type: AttnMaskType | None = None, attention_bias=None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = self._attend(q, k, v)
+        s, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.heads != self.groups)
+
+    def _packed(self, query, key, value, packed: PackedSeqParams) -> torch.Tensor:
+        """``thd``: [t, n, d] with sequences back to back (``cu_seqlens_q``); each attends to itself.
+        On CUDA in 16-bit, torch's variable-length flash attention; elsewhere the sequences padded
+        to the longest inside this call, one batched SDPA call (the CPU's kernel costs a fixed
+        price per call, which one call per sequence paid for each row)."""
+        if packed.qkv_format != "thd":
+            raise ValueError(f"SDPAttention packs sequences in the thd format, got {packed.qkv_format!r}")
+        bounds = packed.cu_seqlens_q
+        lengths = bounds[1:] - bounds[:-1]
+        longest = int(lengths.max())
+        varlen = _varlen_attention()
+        if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not (
+                self.training and self.dropout):
+            out = varlen(query, key, value, bounds, bounds, longest, longest, scale=self.scale,
+                         enable_gqa=self.heads != self.groups)
+            return out.reshape(query.shape[0], 1, -1)
+        span = torch.arange(longest, device=query.device)
+        index = (bounds[:-1, None] + span).clamp(max=query.shape[0] - 1)  # [rows, longest]
+        real = span < lengths[:, None]
+        # past a row's end sit other rows' tokens; causal attention never lets the row's own see them
+        q, k, v = (t[index].permute(0, 2, 1, 3) for t in (query, key, value))  # [rows, heads, longest, d]
+        out = self._attend(q, k, v).permute(0, 2, 1, 3)[real]  # the rows' own tokens, back to back
+        return out.reshape(query.shape[0], 1, -1)
+
+
+@functools.cache
+def _varlen_attention():
+    """torch's variable-length flash attention (``torch.nn.attention.varlen``, CUDA), made causal,
+    or None where this torch has none with grouped-query heads. torch 2.10 names causal attention
+    ``is_causal=True``, later releases ``window_size=(-1, 0)``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "enable_gqa" not in params:
+        return None
+    return functools.partial(varlen_attn, **({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}))
