@@ -73,8 +73,50 @@ def test_full_recompute_cuts_activation_estimate():
     full = memory.activation_memory(Q30, TrainParallel(**{**t.__dict__, "recompute_granularity": "full",
                                                           "recompute_method": "uniform", "recompute_num_layers": 1}), 24, 4096)
     assert full < none / 10
-    # logits: 4096 tokens x 151936/2 vocab x 10 bytes
-    assert memory.logits_memory(Q30, t, 4096) == 4096 * 75968 * 10
+
+
+def test_attention_memory_is_linear_in_length_with_the_fused_kernel_and_quadratic_without():
+    t = TrainParallel(tp=2, pp=2, ep=8, etp=1, sequence_parallel=True)
+    local = TrainParallel(**{**t.__dict__, "flash_attn": False})
+    fused = [memory.activation_memory(Q30, t, 24, s) for s in (8192, 16384, 32768)]
+    assert fused[1] == 2 * fused[0] and fused[2] == 2 * fused[1]
+    unfused = [memory.activation_memory(Q30, local, 24, s) for s in (8192, 16384)]
+    # instead of the fused kernel's fp32 log-sum-exp per head and token, the fp32 softmax and bf16
+    # probabilities (6 bytes a score) of 16 heads a TP rank in each of 24 layers, for the PP = 2
+    # micro-batches in flight; and one layer's backward at work (12 bytes a score)
+    for s, fused_bytes, unfused_bytes in zip((8192, 16384), fused, unfused):
+        assert unfused_bytes - fused_bytes == 2 * 24 * (16 * s**2 * 6 - s * 16 * 4) + 16 * s**2 * 12
+
+
+def test_logits_are_held_once_in_bf16_beside_one_float32_chunk():
+    from loss.vocab_parallel import CHUNKS_AT_LEAST, DEFAULT_CHUNK_SIZE
+
+    # the planner's chunking is the loss package's (it imports no torch, so it keeps its own copy)
+    assert (memory.LOG_PROB_CHUNK_TOKENS, memory.LOG_PROB_CHUNKS_AT_LEAST) == (DEFAULT_CHUNK_SIZE, CHUNKS_AT_LEAST)
+    t = TrainParallel(tp=2)
+    vocab = 151936 // 2
+    # 4096 tokens: bf16 logits, and a chunk of 4096 / 16 = 256 rows in float32 with its bf16 source
+    assert memory.logits_memory(Q30, t, 4096) == 4096 * vocab * 2 + 256 * vocab * 6
+    # 32k tokens: the chunk stops at 1024 rows
+    assert memory.logits_memory(Q30, t, 32768) == 32768 * vocab * 2 + 1024 * vocab * 6
+    # several padded rows come out of megatron's GPTModel transposed, a second copy for a moment
+    assert memory.logits_memory(Q30, t, 4096, 2, packed=False) == 8192 * vocab * 4 + 512 * vocab * 6
+    # no chunks: a float32 copy of every row
+    assert memory.logits_memory(Q30, t, 4096, log_prob_chunk_size=0) == 4096 * vocab * 8
+
+
+def test_longest_sequence_is_the_last_length_whose_training_fits():
+    layout = load_layout("qwen3_30b_a3b_2x8_a2").with_cluster(device_memory_gb=64)
+    longest = memory.longest_sequence(Q30, layout)
+    assert longest % layout.train.tp == 0
+    assert memory.estimate(Q30, layout, longest).train_fits
+    assert not memory.estimate(Q30, layout, longest + layout.train.tp).train_fits
+    # megatron's attention keeps every head's s x s probabilities: far shorter sequences fit
+    local = replace(layout, train=replace(layout.train, flash_attn=False))
+    assert memory.longest_sequence(Q30, local) < longest / 2
+    assert memory.longest_sequence(Q30, layout.with_cluster(device_memory_gb=1)) == 0
+    unknown = replace(layout, cluster=replace(layout.cluster, device_memory_gb=None))
+    assert memory.longest_sequence(Q30, unknown) is None
 
 
 def test_mc2_for_the_seed_layout_on_a2():

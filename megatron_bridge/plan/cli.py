@@ -18,6 +18,7 @@ from dataclasses import replace
 import yaml
 
 from megatron_bridge.errors import ConfigError
+from megatron_bridge.plan import memory
 from megatron_bridge.plan.layout import Cluster, layout_to_dict, load_layout
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.plan.platforms import PLATFORMS
@@ -47,14 +48,21 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _positive_float(text: str) -> float:
@@ -83,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--micro-batch-size", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
         p.add_argument("--reference-model", action="store_true",
                        help="count a reference model's weights (KL loss or KL in reward, e.g. the GRPO recipes)")
+        p.add_argument("--padded", action="store_true",
+                       help="micro-batches padded to their longest row (use_remove_padding=false); default packed")
+        p.add_argument("--log-prob-chunk-size", type=_int_at_least(0), default=memory.LOG_PROB_CHUNK_TOKENS,
+                       help="tokens a chunk of the log-prob and entropy pass holds in float32 "
+                            f"(actor.megatron.log_prob_chunk_size; default {memory.LOG_PROB_CHUNK_TOKENS}, 0: no chunks)")
         p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
 
     check = sub.add_parser("check", help="validate one layout YAML for a model and cluster",
@@ -129,7 +142,8 @@ def run_check(args) -> int:
     layout = load_layout(args.parallel).with_cluster(**_cluster_overrides(args))
     if args.rollout_nnodes is not None:
         layout = layout.with_rollout_pool(args.rollout_nnodes, args.rollout_devices_per_node)
-    v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model)
+    v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model, not args.padded,
+                 args.log_prob_chunk_size, longest=True)
     if args.json:
         print(json.dumps(verdict_json(v), indent=2))
     else:
@@ -146,7 +160,8 @@ def run_search(args) -> int:
     if not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1)")
     verdicts = search(spec, cluster, args.seq_len, args.micro_batch_size, not args.no_recompute,
-                      args.gpu_memory_utilization, not args.no_offload, args.include_oom, args.reference_model)
+                      args.gpu_memory_utilization, not args.no_offload, args.include_oom, args.reference_model,
+                      not args.padded, args.log_prob_chunk_size)
     shown = verdicts[: args.top]
     if args.json:
         print(json.dumps([verdict_json(v) for v in shown], indent=2))

@@ -1,7 +1,8 @@
 """Per-device memory of a layout: exact static terms, estimated dynamic ones.
 
-Exact (for megatron's local spec; the TE spec has the same tensors in a slightly different order,
-which moves only the alignment padding): bf16 weights, fp32 main gradients and the distributed
+Exact (for megatron's local spec, with the experts ``TrainParallel.grouped_gemm`` picks; the TE
+spec has the same tensors in a slightly different order, its grouped experts one parameter per
+expert, which moves only the alignment padding): bf16 weights, fp32 main gradients and the distributed
 optimizer's fp32 main parameters and Adam moments, reproducing megatron-core 0.12.1's buffer layout
 (``_ParamAndGradBuffer``: reverse parameter order, 64-element alignment, buckets padded to
 lcm(DP, 128)) and its sharding: dense parameters over DP*CP, expert parameters (EP > 1) over the
@@ -35,9 +36,12 @@ class Param:
 
 
 def _layer_params(spec: ModelSpec, t: TrainParallel) -> list[Param]:
-    """One decoder layer on one rank, in ``named_parameters()`` order of the local spec."""
+    """One decoder layer on one rank, in ``named_parameters()`` order of the local spec. The local
+    experts are ``GroupedExperts`` (each projection of all of them one stacked parameter) with
+    ``grouped_gemm``, else ``SequentialMLP`` (two parameters per expert)."""
     h, tp, etp = spec.hidden_size, t.tp, t.expert_tp
     experts_in_own_buffer = t.ep > 1
+    local_experts = spec.num_experts // t.ep
     params = [
         Param(h, False),  # input_layernorm
         Param(h * spec.q_dim // tp, False),  # self_attention.linear_proj
@@ -47,10 +51,10 @@ def _layer_params(spec: ModelSpec, t: TrainParallel) -> list[Param]:
         Param(h, False),  # pre_mlp_layernorm
         Param(spec.num_experts * h, False),  # mlp.router
     ]
-    for _ in range(spec.num_experts // t.ep):
-        params.append(Param(2 * spec.moe_ffn_hidden_size // etp * h, experts_in_own_buffer))  # linear_fc1
-        params.append(Param(h * spec.moe_ffn_hidden_size // etp, experts_in_own_buffer))  # linear_fc2
-    return params
+    fc1, fc2 = 2 * spec.moe_ffn_hidden_size // etp * h, h * spec.moe_ffn_hidden_size // etp
+    if t.grouped_gemm:  # fc1_weight, fc2_weight
+        return params + [Param(local_experts * n, experts_in_own_buffer) for n in (fc1, fc2)]
+    return params + [Param(n, experts_in_own_buffer) for n in (fc1, fc2)] * local_experts  # linear_fc1, linear_fc2
 
 
 def chunk_params(spec: ModelSpec, t: TrainParallel, pp_rank: int, vp_rank: int) -> list[Param]:
@@ -136,6 +140,7 @@ class StaticMemory:
     weights: int
     grads: int
     optimizer: int
+    main_params: int = 0  # the fp32 main parameters' part of ``optimizer``
 
     @property
     def total(self) -> int:
@@ -169,7 +174,7 @@ def static_memory(spec: ModelSpec, layout: Layout, pp_rank: int, dp_rank: int | 
     ranks, the worst rank of the stage (shards differ by the alignment padding)."""
     t = layout.train
     dp, edp = data_parallel_sizes(layout)
-    weights = grads = optimizer = 0
+    weights = grads = optimizer = main_params = 0
     for vp_rank in range(t.vpp or 1):
         params = chunk_params(spec, t, pp_rank, vp_rank)
         for expert, size, rank in ((False, dp, dp_rank), (True, edp, edp_rank)):
@@ -181,6 +186,7 @@ def static_memory(spec: ModelSpec, layout: Layout, pp_rank: int, dp_rank: int | 
                 weights += n * PARAM_BYTES
                 grads += n * GRAD_BYTES
                 optimizer += n * (MAIN_PARAM_BYTES + ADAM_BYTES) + len(numels) * ADAM_STEP_BYTES
+                main_params += n * MAIN_PARAM_BYTES
                 continue
             buf = buffer_layout(numels, size, distributed_optimizer=True)
             weights += buf.numel * PARAM_BYTES  # the distributed optimizer re-homes params in a padded buffer
@@ -191,7 +197,8 @@ def static_memory(spec: ModelSpec, layout: Layout, pp_rank: int, dp_rank: int | 
                 + shard_param_count(buf, size, r) * ADAM_STEP_BYTES
                 for r in ranks
             )
-    return StaticMemory(weights, grads, optimizer)
+            main_params += max(shard_numel(buf, size, r) for r in ranks) * MAIN_PARAM_BYTES
+    return StaticMemory(weights, grads, optimizer, main_params)
 
 
 def checkpoint_bytes(spec: ModelSpec, world_size: int, weight_bytes: int = PARAM_BYTES) -> tuple[int, int]:
@@ -209,17 +216,33 @@ def checkpoint_bytes(spec: ModelSpec, world_size: int, weight_bytes: int = PARAM
 # ---- estimates -----------------------------------------------------------------------------
 
 
-def activation_bytes_per_layer(spec: ModelSpec, t: TrainParallel, tokens: int) -> int:
-    """ESTIMATE of what one layer keeps for backward for ``tokens`` tokens of one micro-batch,
-    bf16, flash attention (no s^2 scores), sequence parallel: each rank holds tokens/(TP*CP) of
-    the sequence. Attention: ln input, qkv input, q/k/v, core output, proj input.
-    MoE: ln input, router input, fp32 router logits, and per routed copy (top-k) the permuted
-    input, fc1 output (2I/ETP), activation (I/ETP) and fc2 output."""
+def activation_bytes_per_layer(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_size: int = 1) -> int:
+    """ESTIMATE of what one layer keeps for backward for one micro-batch of ``micro_batch_size``
+    sequences of ``seq_len`` tokens, bf16, sequence parallel: each rank holds tokens/(TP*CP) of the
+    sequence. Attention: ln input, qkv input, q/k/v, core output, proj input; besides, the fused
+    kernel keeps one fp32 log-sum-exp per head and token, megatron's DotProductAttention
+    (``use_flash_attn=false``) 6 bytes a score of every head's [s, s]: the fp32 softmax (autograd's,
+    for its backward; ``attention_softmax_in_fp32``) and its bf16 copy (the PV product's). MoE: ln input, router
+    input, fp32 router logits, and per routed copy (top-k) the permuted input, fc1 output (2I/ETP),
+    activation (I/ETP) and fc2 output."""
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.moe_ffn_hidden_size // t.expert_tp
+    tokens = seq_len * micro_batch_size
     local = tokens / (t.tp * t.cp)
+    heads = spec.num_attention_heads / t.tp
     attention = 2 * (2 * h + 3 * q + 2 * kv)
     moe = 2 * (2 * h + spec.moe_topk * (2 * h + 3 * i)) + 4 * spec.num_experts
-    return int(local * (attention + moe))
+    core = tokens * heads * 4 if t.flash_attn else micro_batch_size * heads * seq_len**2 * 6
+    return int(local * (attention + moe) + core)
+
+
+def attention_working_bytes(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_size: int = 1) -> int:
+    """ESTIMATE of what one layer's attention holds while it computes, beyond what it keeps: the
+    fused kernel works in tiles (nothing worth counting); megatron's DotProductAttention 12 bytes a
+    score in backward (its forward needs less): the bf16 scores' buffer it keeps for the process
+    (``get_global_memory_buffer``), the bf16 and fp32 gradients of the probabilities and the
+    softmax's fp32 input gradient. With the 6 kept, the slice of docs/bench_device.md at 8k tokens
+    needs at least 24 bytes a score: an H100 80GB ran out there."""
+    return 0 if t.flash_attn else int(micro_batch_size * spec.num_attention_heads / t.tp * seq_len**2 * 12)
 
 
 def in_flight_microbatches(t: TrainParallel) -> float:
@@ -230,15 +253,17 @@ def in_flight_microbatches(t: TrainParallel) -> float:
     return float(t.pp)
 
 
-def activation_memory(spec: ModelSpec, t: TrainParallel, layers: int, tokens: int) -> int:
-    """ESTIMATE of the peak activations of a stage with ``layers`` layers."""
-    per_layer = activation_bytes_per_layer(spec, t, tokens)
+def activation_memory(spec: ModelSpec, t: TrainParallel, layers: int, seq_len: int, micro_batch_size: int = 1) -> int:
+    """ESTIMATE of the peak activations of a stage with ``layers`` layers: what the micro-batches in
+    flight keep, and one layer's attention at work."""
+    per_layer = activation_bytes_per_layer(spec, t, seq_len, micro_batch_size)
+    working = attention_working_bytes(spec, t, seq_len, micro_batch_size)
     if t.recompute_granularity == "full":
         # Only each layer's input is kept; one recompute group is rebuilt at a time in backward.
-        kept = layers * 2 * spec.hidden_size * tokens / (t.tp * t.cp)
+        kept = layers * 2 * spec.hidden_size * seq_len * micro_batch_size / (t.tp * t.cp)
         rebuilt = per_layer * min(t.recompute_num_layers or 1, layers)
-        return int(kept * in_flight_microbatches(t) + rebuilt)
-    return int(layers * per_layer * in_flight_microbatches(t))
+        return int(kept * in_flight_microbatches(t) + rebuilt + working)
+    return int(layers * per_layer * in_flight_microbatches(t) + working)
 
 
 def routing_memory(spec: ModelSpec, t: TrainParallel, layers: int, tokens: int) -> int:
@@ -248,10 +273,47 @@ def routing_memory(spec: ModelSpec, t: TrainParallel, layers: int, tokens: int) 
     return int(layers * tokens / (t.tp * t.cp) * spec.moe_topk * 8 * in_flight_microbatches(t))
 
 
-def logits_memory(spec: ModelSpec, t: TrainParallel, tokens: int) -> int:
-    """ESTIMATE for the last stage: vocab-parallel logits of a micro-batch, bf16 output plus the
-    fp32 copy and fp32 softmax that cross-entropy / log-prob and entropy keep (2 + 4 + 4 bytes)."""
-    return int(tokens / t.cp * spec.vocab_size / t.tp * 10)
+# The chunking of the log-prob and entropy pass (loss.vocab_parallel's DEFAULT_CHUNK_SIZE and
+# CHUNKS_AT_LEAST; the planner imports no torch, a test keeps the two equal).
+LOG_PROB_CHUNK_TOKENS = 1024
+LOG_PROB_CHUNKS_AT_LEAST = 16
+
+
+def logits_memory(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_size: int = 1, packed: bool = True,
+                  log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS) -> int:
+    """ESTIMATE for the last stage: the micro-batch's bf16 vocab-parallel logits [tokens, V/TP] (held
+    twice for a moment when several padded rows come out of megatron's GPTModel, which transposes
+    them to [b, s] with a copy; one row, or a packed micro-batch, is in that order already) and the
+    chunk the log-prob and entropy pass holds in float32 (``loss.vocab_parallel``): 6 bytes per
+    element of min(``log_prob_chunk_size``, tokens / 16) rows, every row with chunk size 0. The
+    gradient is written into the logits' own storage."""
+    tokens = seq_len * micro_batch_size / t.cp
+    vocab = spec.vocab_size / t.tp
+    copies = 2 if micro_batch_size > 1 and not packed else 1
+    rows = tokens if log_prob_chunk_size == 0 else min(log_prob_chunk_size, math.ceil(tokens / LOG_PROB_CHUNKS_AT_LEAST))
+    return int(tokens * vocab * 2 * copies + rows * vocab * 6)
+
+
+def longest_sequence(spec: ModelSpec, layout: Layout, micro_batch_size: int = 1, reference: bool = False,
+                     packed: bool = True, log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS) -> int | None:
+    """The longest sequence (tokens, a multiple of TP) whose training peak fits the device
+    (``estimate``); 0 when none does, None when the device memory is not known."""
+    if not layout.cluster.device_memory_gb:
+        return None
+
+    def fits(seq_len: int) -> bool:
+        return estimate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size).train_fits
+
+    step = layout.train.tp
+    if not fits(step):
+        return 0
+    low, high = 1, 2  # in steps: fits(low * step), and find a high that does not
+    while fits(high * step):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * step) else (low, middle)
+    return low * step
 
 
 def rollout_weight_bytes(spec: ModelSpec, layout: Layout) -> int:
@@ -300,10 +362,12 @@ class MemoryReport:
     checkpoint_per_rank: int = 0
     terms: list[tuple[str, int, bool]] = field(default_factory=list)
     rollout_pool: RolloutPoolMemory | None = None  # the rollout's own devices; None: colocated
+    optimizer_step: int = 0  # the optimizer step's temporaries, after the activations are freed
 
     @property
     def train_peak(self) -> int:
-        return self.static.total + self.reference + self.activations + self.logits + self.routing
+        return self.static.total + self.reference + max(self.activations + self.logits + self.routing,
+                                                        self.optimizer_step)
 
     @property
     def train_fits(self) -> bool | None:
@@ -326,9 +390,11 @@ class MemoryReport:
 
 
 def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1,
-             reference: bool = False) -> MemoryReport:
+             reference: bool = False, packed: bool = True,
+             log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS) -> MemoryReport:
     """Memory per device on the worst pipeline stage of a validated layout; with ``reference``, a
-    reference model in the same layout (its weights buffer is the actor's)."""
+    reference model in the same layout (its weights buffer is the actor's). ``packed`` and
+    ``log_prob_chunk_size``: the actor's ``use_remove_padding`` and ``log_prob_chunk_size``."""
     t, cl, r = layout.train, layout.cluster, layout.rollout
     tokens = seq_len * micro_batch_size
     device = int(cl.device_memory_gb * GIB) if cl.device_memory_gb else None
@@ -336,16 +402,19 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
     reports = []
     for pp_rank in range(t.pp):
         static = static_memory(spec, layout, pp_rank)
-        acts = activation_memory(spec, t, sum(chunks[pp_rank]), tokens)
+        acts = activation_memory(spec, t, sum(chunks[pp_rank]), seq_len, micro_batch_size)
         routing = routing_memory(spec, t, sum(chunks[pp_rank]), tokens)
-        logits = logits_memory(spec, t, tokens) if pp_rank == t.pp - 1 else 0
+        logits = logits_memory(spec, t, seq_len, micro_batch_size, packed, log_prob_chunk_size) if pp_rank == t.pp - 1 else 0
         ref = static.weights if reference else 0
         reports.append(MemoryReport(
             pp_rank=pp_rank, static=static, activations=acts, logits=logits, routing=routing, device_bytes=device,
             rollout_share=int(r.gpu_memory_utilization * device) if device else None,
             rollout_weights=rollout_weight_bytes(spec, layout),
             resident_during_rollout=kept_during_rollout(static, t, ref), offload_host=offload_host_bytes(static, t, ref),
-            reference=ref,
+            # torch's multi-tensor AdamW (megatron's Adam without TE or Apex) takes sqrt(exp_avg_sq)
+            # of the whole shard at once: 4 B per main parameter (7.0 GiB for 1.87 B on an H100,
+            # docs/kernels.md); an upper bound where a fused Adam runs
+            reference=ref, optimizer_step=static.main_params,
         ))
     worst = max(reports, key=lambda m: m.train_peak)
     if layout.separate_rollout:  # the engine's share of a rollout device, the same kind of device
@@ -357,7 +426,8 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
         ("optimizer (fp32 master + Adam m, v)", worst.static.optimizer, True),
         *([("reference model weights (bf16, KL)", worst.reference, True)] if reference else []),
         ("activations" + (" (full recompute)" if t.recompute_granularity == "full" else ""), worst.activations, False),
-        ("logits (fp32, vocab-parallel)", worst.logits, False),
+        ("logits (bf16) + log-prob chunk (fp32)", worst.logits, False),
         ("routing ids (capture, replay)", worst.routing, False),
+        ("optimizer step (if above the 3 before)", worst.optimizer_step, False),
     ]
     return worst

@@ -91,12 +91,13 @@ def why(v: Verdict, devices_per_node: int) -> str:
 
 
 def search(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch_size: int, recompute: bool,
-           utilization: float, offload: bool, include_oom: bool, reference: bool = False) -> list[Verdict]:
+           utilization: float, offload: bool, include_oom: bool, reference: bool = False, packed: bool = True,
+           log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS) -> list[Verdict]:
     verdicts = []
     for layout in candidates(spec, cluster, recompute, utilization, offload):
         if validate(spec, layout, seq_len):
             continue  # search shows structurally valid layouts only
-        v = evaluate(spec, layout, seq_len, micro_batch_size, reference)
+        v = evaluate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size)
         if v.valid or include_oom:
             verdicts.append(v)
     return sorted(verdicts, key=lambda v: (not v.valid, rank_key(v, cluster.devices_per_node)))

@@ -19,6 +19,8 @@ class Verdict:
     memory: memory.MemoryReport | None
     mc2: mc2.Mc2Plan | None
     notes: list[str]
+    # the longest sequence whose training fits (memory.longest_sequence), when asked for and known
+    longest_sequence: int | None = None
 
     @property
     def valid(self) -> bool:
@@ -55,14 +57,19 @@ def memory_violations(report: memory.MemoryReport) -> list[Violation]:
 
 
 def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1,
-             reference: bool = False) -> Verdict:
+             reference: bool = False, packed: bool = True,
+             log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, longest: bool = False) -> Verdict:
+    """The layout's verdict; the memory terms as ``memory.estimate`` takes them; with ``longest``,
+    also the longest sequence that fits."""
     violations = validate(spec, layout, seq_len)
     if violations:
         return Verdict(layout, violations, None, None, [])
-    report = memory.estimate(spec, layout, seq_len, micro_batch_size, reference)
+    report = memory.estimate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size)
+    fitting = (memory.longest_sequence(spec, layout, micro_batch_size, reference, packed, log_prob_chunk_size)
+               if longest else None)
     return Verdict(
         layout, memory_violations(report), report,
-        mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout),
+        mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout), fitting,
     )
 
 
@@ -119,6 +126,9 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
           f"total, about {gib_text(m.checkpoint_per_rank)} written per rank")
     fits = {None: "unknown (give --device-memory-gb)", True: "yes", False: "NO"}
     print(f"fits: training {fits[m.train_fits]}, rollout {fits[m.rollout_fits]}")
+    if v.longest_sequence is not None:
+        print(f"longest sequence whose training fits: {v.longest_sequence:,} tokens (estimate, at this "
+              f"micro-batch size; the model's max_position_embeddings: {spec.max_position_embeddings:,})")
     p = v.mc2
     if p.applies:
         print(f"rollout MoE communication: {p.method} ({p.reason})")
@@ -163,6 +173,8 @@ def verdict_json(v: Verdict) -> dict:
             out["memory_bytes"]["kept_during_rollout"] = v.memory.resident_during_rollout
             out["memory_bytes"]["offload_host"] = v.memory.offload_host
         out["fits"] = v.memory.fits
+        if v.longest_sequence is not None:
+            out["longest_sequence"] = v.longest_sequence
         out["checkpoint_bytes"] = {"total": v.memory.checkpoint_total, "per_rank": v.memory.checkpoint_per_rank}
     if v.layout.separate_rollout:
         out["rollout_pool"] = _rollout_pool_json(v.layout, v.memory)
