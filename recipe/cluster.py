@@ -173,8 +173,8 @@ def _write(path: str, text: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from megatron_bridge.plan.verdict import evaluate, print_verdict
-    from recipe.config import config_to_dict, load_config, model_spec, resolve_path
+    from megatron_bridge.plan.verdict import print_verdict
+    from recipe.config import config_to_dict, layout_verdict, load_config, model_spec, resolve_path
     from recipe.workers.group import DEVICE_RESOURCE, devices_per_node_offered, nodes_needed
 
     recipe = os.path.abspath(resolve_path("recipe", args.recipe))
@@ -193,8 +193,7 @@ def prepare(args: argparse.Namespace) -> int:
         print(line)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     spec = model_spec(cfg, recipe)
-    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
-                       cfg.needs_reference)
+    verdict = layout_verdict(cfg, spec)
     print_verdict(spec, verdict, seq_len)
 
     template = args.runtime_env or os.path.join(RUNTIME_ENV_DIR, RUNTIME_ENV_FOR_DEVICE[cluster.device])

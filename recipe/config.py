@@ -81,6 +81,9 @@ class ModelConfig:
     path: str  # HF checkpoint dir (weights + tokenizer) or a built-in task's ("builtin:tiny", ...)
     config: str | None = None  # configs/model name or path for planning; None: path's config.json
     dtype: str = "bfloat16"  # params dtype of actor and rollout
+    # the actor's micro-batches packed: their sequences back to back, no padding (docs/kernels.md);
+    # false, or with megatron's DotProductAttention (use_flash_attn=false): padded to their longest
+    use_remove_padding: bool = True
 
 
 # The loss keys' defaults are the loss package's (verl's), not repeated here.
@@ -115,6 +118,9 @@ class ActorMegatronConfig:
     """The keys of ``actor.megatron`` that are not parallel layout (those are in the layout)."""
 
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    # tokens whose float32 log-softmax the log-prob and entropy hold at once (loss.vocab_parallel;
+    # 0: every token of a micro-batch at once, for comparisons); every pass of the actor and the reference
+    log_prob_chunk_size: int = _LOSS.log_prob_chunk_size
 
 
 @dataclass(frozen=True)
@@ -368,7 +374,7 @@ class RecipeConfig:
         return ActorLossConfig(
             loss_mode=a.policy_loss.loss_mode, policy=policy, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
             kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
-            temperature=self.actor_rollout_ref.rollout.temperature,
+            temperature=self.actor_rollout_ref.rollout.temperature, log_prob_chunk_size=a.megatron.log_prob_chunk_size,
         )
 
 
@@ -473,6 +479,7 @@ RULES: dict[str, Rule] = {
     f"{_ACTOR}.optim.weight_decay": at_least(0),
     f"{_ACTOR}.optim.clip_grad": greater_than(0),
     f"{_ACTOR}.megatron.router_replay.mode": one_of(ROUTER_REPLAY_MODES),
+    f"{_ACTOR}.megatron.log_prob_chunk_size": at_least(0),
     f"{_ACTOR}.optim.lr_warmup_steps_ratio": lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
     "data.gen_batch_size": POSITIVE,
     "algorithm.kl_penalty": one_of(KL_PENALTY_TYPES),
@@ -1068,6 +1075,13 @@ def _layout_problems(cfg: RecipeConfig, name: str) -> list[str]:
             f"data.max_prompt_length + data.max_response_length = {seq_len} exceeds the model's "
             f"max_position_embeddings ({spec.max_position_embeddings}); shorten one of them"
         )
-    verdict = evaluate(spec, cfg.layout, seq_len, cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
-                       cfg.needs_reference)
-    return out + [f"layout {cfg.layout.name}: {v}" for v in verdict.violations]
+    return out + [f"layout {cfg.layout.name}: {v}" for v in layout_verdict(cfg, spec).violations]
+
+
+def layout_verdict(cfg: RecipeConfig, spec: ModelSpec):
+    """The planner's verdict on this recipe's layout for its sequences (prompt + response), micro-batch,
+    reference model, packing and log-prob chunks."""
+    arr = cfg.actor_rollout_ref
+    return evaluate(spec, cfg.layout, cfg.data.max_prompt_length + cfg.data.max_response_length,
+                    arr.actor.ppo_micro_batch_size_per_gpu, cfg.needs_reference, arr.model.use_remove_padding,
+                    arr.actor.megatron.log_prob_chunk_size)

@@ -14,6 +14,8 @@ Every rule names a key (or a key prefix ending in ``.``) under its full dotted p
   lengths are the data's): accepted when it equals that key's value, else an error saying why.
 - ``ONLY``: accepted at the values listed (what this package always does), else an error saying
   what is not supported.
+- ``ALWAYS_ON``: switches for what this package always does: true is accepted as it is, false is
+  listed as having no effect, with what happens instead.
 - ``IGNORED``: no effect here, with the reason (performance, profiling, features of the critic or
   of other engines that a GRPO / GSPO run on Megatron does not use).
 - ``FSDP_ONLY``: verl's FSDP backend's keys: refused, naming the Megatron equivalent.
@@ -50,6 +52,7 @@ RENAMED: dict[str, str] = {
     # the one-step-off and fully async recipes' spelling of the rollout's own pool
     "rollout.nnodes": f"{ROLLOUT}.nnodes",
     "rollout.n_gpus_per_node": f"{ROLLOUT}.n_gpus_per_node",
+    f"{ACTOR}.use_remove_padding": f"{ARR}.model.use_remove_padding",  # verl's actor reads the model's
 }
 
 VLLM_ARGS = ("enable_chunked_prefill", "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching",
@@ -96,19 +99,20 @@ ONLY: dict[str, tuple[tuple, str]] = {
     f"{REF}.router_replay.mode": (("disabled",), "routing replay applies to the actor's passes"),
 }
 
+_CHUNKED = ("the log-probs and entropy are always computed in chunks of tokens, recomputed in the backward pass, "
+            "without an fp32 copy of the logits (actor_rollout_ref.actor.megatron.log_prob_chunk_size)")
+ALWAYS_ON: dict[str, str] = {
+    f"{ARR}.model.use_fused_kernels": _CHUNKED,
+    **{f"{section}.{key}": _CHUNKED for section in (ACTOR, REF)
+       for key in ("entropy_checkpointing", "entropy_from_logits_with_chunking")},
+}
+
 _PERF = "a performance or memory knob; this package builds its own fixed choice"
 _PROFILING = "profiling"
 IGNORED: dict[str, str] = {
     "data.filter_overlong_prompts_workers": "tokenising runs on the driver",
-    f"{ARR}.model.use_remove_padding": "micro-batches are padded per micro-batch; same numbers",
-    f"{ARR}.model.use_fused_kernels": _PERF,
     f"{ACTOR}.use_torch_compile": "verl's Megatron engine does not read it",
     f"{REF}.use_torch_compile": "verl's Megatron engine does not read it",
-    f"{ACTOR}.entropy_from_logits_with_chunking": _PERF,
-    f"{REF}.entropy_from_logits_with_chunking": _PERF,
-    f"{ACTOR}.entropy_checkpointing": _PERF,
-    f"{REF}.entropy_checkpointing": _PERF,
-    f"{ACTOR}.use_remove_padding": _PERF,
     f"{ACTOR}.megatron.use_mbridge": "HF checkpoints load through megatron_bridge.weights",
     f"{ACTOR}.megatron.vanilla_mbridge": "HF checkpoints load through megatron_bridge.weights",
     f"{REF}.megatron.use_mbridge": "HF checkpoints load through megatron_bridge.weights",
@@ -118,9 +122,9 @@ IGNORED: dict[str, str] = {
     f"{REF}.megatron.seed": "seeds come from trainer.seed",
     f"{ROLLOUT}.seed": "rollout seeds come from trainer.seed, the step and the row",
     **{f"{OTC}.{k}": _PERF for k in (
-        "moe_permute_fusion", "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion",
+        "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion",
         "bias_dropout_fusion", "gradient_accumulation_fusion", "deallocate_pipeline_outputs", "persist_layer_norm",
-        "moe_grouped_gemm", "use_flash_attn", "moe_enable_deepep", "moe_token_dispatcher_type",
+        "moe_enable_deepep", "moe_token_dispatcher_type",
         "moe_router_dtype")},  # the router always computes in fp32 here
     f"{ACTOR}.profiler.": _PROFILING,
     f"{REF}.profiler.": _PROFILING,
@@ -270,6 +274,10 @@ def translate(config: Mapping) -> Translation:
             if value not in allowed:
                 shown = " or ".join(repr(a) for a in allowed)
                 out.errors.append(f"{key}={value!r} is not supported: {why} (accepted: {shown})")
+        elif key in ALWAYS_ON:
+            _pop(out.data, key)
+            if value is not True:
+                out.ignored.append(f"{key}={value!r} (always on here: {ALWAYS_ON[key]})")
         elif (entry := _matches(IGNORED, key)) is not None:
             _pop(out.data, key)
             out.ignored.append(f"{key} ({IGNORED[entry]})")

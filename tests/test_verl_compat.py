@@ -74,8 +74,11 @@ def test_a_verl_megatron_gspo_script_loads_onto_the_recipe():
     assert arr.rollout.log_prob_use_dynamic_bsz and arr.ref.log_prob_max_token_len_per_gpu == 30720
     assert cfg.trainer.total_epochs == 10 and cfg.trainer.total_training_steps == 15
     ignored = " ".join(cfg.ignored)
-    for key in ("use_remove_padding", "use_mbridge", "moe_router_dtype", "moe_permute_fusion", "balance_batch"):
+    for key in ("use_mbridge", "moe_router_dtype", "balance_batch"):
         assert key in ignored, key
+    # the kernels' switches take effect (docs/kernels.md)
+    assert "use_remove_padding" not in ignored and arr.model.use_remove_padding
+    assert "moe_permute_fusion" not in ignored and layout.train.permute_fusion
 
 
 def _with(args: list[str], changes: dict[str, str], drop: tuple[str, ...] = ()) -> list[str]:

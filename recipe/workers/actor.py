@@ -10,6 +10,7 @@ the rollout engine goes to sleep).
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
     from megatron_bridge.moe.table import RoutingRecord
     from megatron_bridge.runtime.actor import MegatronActor
     from megatron_bridge.weights.export import WeightExporter
+
+
+def _why_padded(use_remove_padding: bool) -> str:
+    return (" (megatron's DotProductAttention cannot keep packed sequences apart: use_flash_attn=false)"
+            if use_remove_padding else " (use_remove_padding=false)")
+
 
 class ActorWorker:
     def __init__(self, cfg: RecipeConfig, rank: int, world_size: int, model_dir: str, dtype: torch.dtype,
@@ -42,7 +49,14 @@ class ActorWorker:
         initialize_parallel(layout.train, seed=cfg.trainer.seed)
         spec = load_model_spec(model_dir)
         options = BuildOptions(params_dtype=dtype)
-        self.actor = MegatronActor(spec, layout.train, options, arr.actor.optim, platform)
+        pack = arr.model.use_remove_padding
+        self.actor = MegatronActor(spec, layout.train, options, arr.actor.optim, platform, pack)
+        if rank == 0:  # what computes, once per run (Ray shows a worker's stderr on the driver's)
+            chunk = arr.actor.megatron.log_prob_chunk_size
+            print(f"actor on {platform}: {self.actor.kernels.describe()}; log-probs and entropy: "
+                  f"{f'chunks of up to {chunk} tokens' if chunk else 'one chunk a micro-batch'}; micro-batches: "
+                  f"{'packed' if self.actor.packs else 'padded' + _why_padded(arr.model.use_remove_padding)}",
+                  file=sys.stderr, flush=True)
         self.actor.load_hf(model_dir)
         self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
         self.save_queue = None  # megatron's queue of background saves (actor.checkpoint.async_save)
@@ -52,7 +66,7 @@ class ActorWorker:
             self.save_queue = AsyncCallsQueue()
         self.ref = None
         if cfg.needs_reference:
-            self.ref = MegatronActor(spec, layout.train, options, None, platform)
+            self.ref = MegatronActor(spec, layout.train, options, None, platform, pack)
             self.ref.load_hf(model_dir)
         self.routing_tap = RoutingTap(self.actor.chunks, spec.moe_topk, layout.train.sequence_parallel)
         self.actor.forward_context = self.routing_tap.micro_batch
@@ -125,7 +139,8 @@ class ActorWorker:
                    max_tokens: int | None) -> torch.Tensor:
         from loss.megatron_hook import log_prob_func
 
-        loss_fn = partial(log_prob_func, self.loss_config.temperature, False)
+        loss_fn = partial(log_prob_func, self.loss_config.temperature, False,
+                          log_prob_chunk_size=self.loss_config.log_prob_chunk_size)
         out = shard.forward_only(batch, _fitting_micro_batch(len(batch[INPUT_IDS]), micro), loss_fn, max_tokens)
         return out["log_probs"].cpu()
 
