@@ -7,6 +7,10 @@
     python bench/actor_throughput.py --lengths long-tail --max-tokens 512 --layouts single dp2 \
         --out docs/bench_dynamic_batch.md                             # micro-batches by rows vs by tokens
     python bench/actor_throughput.py --platform cuda --dtype bf16 --model mid --layouts single   # one GPU
+    python bench/actor_throughput.py --seq-lens 256 512 1024 2048 --steps 3 \
+        --out docs/bench_actor.md                                     # fast paths on/off against length
+    python bench/actor_throughput.py --platform cuda --dtype bf16 --model qwen3_30b_a3b --layers 2 \
+        --seq-lens 2048 8192 16384 32768 --steps 3                    # the Qwen3-30B-A3B slice on one GPU
 
 For the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``) or the mid-size one (``--model mid``,
 ``bench/common.py MID_SIZE``), saved with transformers into a temporary directory, and each layout,
@@ -35,17 +39,31 @@ NPU/GPU throughput. With ``--platform cuda`` each rank has a GPU of its own (ncc
 wait for the device's queued work at every phase boundary and around every collective, which
 costs a little throughput and makes the phase shares mean what they say; the peak device memory
 (``torch.cuda.max_memory_allocated``) is reported beside the host's.
+
+With ``--seq-lens S ...`` it runs the sequence-length sweep instead (``sweep_main``): on one rank,
+micro-batches of one row of S tokens (prompt ``--prompt-share`` of it, response the rest, no
+padding), each "fast path" variant (``VARIANTS``: flash attention, grouped-GEMM experts, chunked
+log-probs, packing, each off alone, all off) in a fresh process that runs the lengths in ascending
+order. It reports tok/s and MFU (``train_flops``) of the train step and the log-prob pass, peak
+memory (the device's, or the host's RSS on the CPU) and the planner's predicted training peak
+(``megatron_bridge.plan.memory.estimate``) beside the measured one. An out-of-memory error is
+caught in the rank and reported as OOM; that variant then skips the longer lengths.
+``--model qwen3_30b_a3b --layers N`` is a slice of Qwen3-30B-A3B with the real layer shapes and N
+layers (``--experts E`` / ``--vocab V`` cut it further, for the CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import resource
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
@@ -59,12 +77,18 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    MODELS, check_out, command_line, cpu_cores, machine_facts, publish, run_ranks, save_model, synchronize,
+    MID_SIZE, MODELS, check_out, command_line, cpu_cores, load_before_run, machine_facts, publish, run_ranks, save_model,
+    save_shipped_model, synchronize,
 )
-from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
+from megatron_bridge.plan.layout import Cluster, Layout, TrainParallel  # noqa: E402
+from megatron_bridge.plan.model_spec import ModelSpec, load_hf_config, load_model_spec  # noqa: E402
 from megatron_bridge.verify import DTYPES  # noqa: E402
 
 SCRIPT = "bench/actor_throughput.py"
+SWEEP_BLOCK = "sequence lengths"  # the sweep's generated block (bench/common.py markers)
+# --model: its description; qwen3_30b_a3b is a slice (--layers) with the real layer shapes
+ACTOR_MODELS = {**MODELS, "qwen3_30b_a3b": "Qwen3-30B-A3B slice (configs/model/qwen3_30b_a3b.yaml)"}
+SLICE_LAYERS = 2  # --model qwen3_30b_a3b's default --layers
 
 
 @dataclass(frozen=True)
@@ -109,19 +133,22 @@ class BatchShape:
     """The global batch: rows of prompt + response tokens with lengths drawn per row."""
 
     rows: int = 16
-    prompt: int = 32  # longest prompt; prompts are drawn from [prompt / 2, prompt]
-    response: int = 96  # response width R; uniform: drawn from [R / 3, R]; long-tail: R u^3, u ~ U(0, 1]
+    prompt: int = 32  # longest prompt; prompts are drawn from [prompt / 2, prompt] (fixed: all this long)
+    response: int = 96  # response width R; uniform: drawn from [R / 3, R]; long-tail: R u^3, u ~ U(0, 1]; fixed: R
     micro_batch: int = 4
     seed: int = 0
     lengths: str = "uniform"
 
     def describe(self) -> str:
+        if self.lengths == "fixed":
+            return (f"{self.rows} rows, each a {self.prompt}-token prompt and a {self.response}-token response "
+                    f"(seed {self.seed})")
         responses = (f"{max(1, self.response // 3)}-{self.response}" if self.lengths == "uniform"
                      else f"long-tailed up to {self.response} (R u^3, u uniform)")
         return f"{self.rows} rows, prompts {self.prompt // 2}-{self.prompt} and responses {responses} tokens (seed {self.seed})"
 
 
-LENGTHS = ("uniform", "long-tail")
+LENGTHS = ("uniform", "long-tail", "fixed")
 
 
 # --- the batch -----------------------------------------------------------------------------------
@@ -132,7 +159,9 @@ def make_batch(shape: BatchShape, vocab_size: int) -> dict[str, torch.Tensor]:
     pass fills them in). Advantages are per sequence, as GRPO/GSPO produce them."""
     g = torch.Generator().manual_seed(shape.seed)
     prompt = torch.randint(shape.prompt // 2, shape.prompt + 1, (shape.rows,), generator=g)
-    if shape.lengths == "uniform":
+    if shape.lengths == "fixed":  # every row exactly prompt + response tokens
+        prompt, response = torch.full((shape.rows,), shape.prompt), torch.full((shape.rows,), shape.response)
+    elif shape.lengths == "uniform":
         response = torch.randint(max(1, shape.response // 3), shape.response + 1, (shape.rows,), generator=g)
     else:  # most responses short, a few near the limit
         u = 1 - torch.rand(shape.rows, generator=g)
@@ -281,15 +310,16 @@ def _torch_profile(fn: Callable[[], Any], path: Path, rows: int = 15) -> None:
     path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
-def build_actor(train: TrainParallel, checkpoint: str, dtype: str = "fp32", platform_name: str = "cpu"):
-    """This rank's actor with the checkpoint loaded (parallel state must be initialised)."""
+def build_actor(train: TrainParallel, checkpoint: str, dtype: str = "fp32", platform_name: str = "cpu",
+                pack: bool = False):
+    """This rank's actor with the checkpoint loaded (parallel state must be initialised); ``pack``:
+    packed micro-batches where the attention takes them (``MegatronActor.packs``)."""
     from megatron_bridge.runtime.actor import MegatronActor
     from megatron_bridge.runtime.optim import OptimConfig
     from megatron_bridge.runtime.model import BuildOptions
-    from megatron_bridge.plan.model_spec import load_model_spec
 
     actor = MegatronActor(load_model_spec(checkpoint), train, BuildOptions(params_dtype=DTYPES[dtype]), OptimConfig(),
-                          platform_name)
+                          platform_name, pack)
     actor.load_hf(checkpoint)
     return actor
 
@@ -350,6 +380,7 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_toke
         _add(out["log_prob_phases"], lp_phases)
         _add(out["train_phases"], tr_phases)
     out.update(loaded_rss_mib=loaded, peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads(),
+               kernels=actor.kernels.describe(),
                peak_device_mib=torch.cuda.max_memory_allocated() / 2**20 if actor.device.type == "cuda" else None)
     if profile_dir:  # after the memory reading: the profiler's own records would count in it
         _torch_profile(update, Path(profile_dir, f"{layout}{'_tokens' if max_tokens else ''}_rank{rank}.txt"))
@@ -401,6 +432,7 @@ def summarise(layout: str, max_tokens: int | None, ranks: list[dict], wall_s: fl
         "train_phases": shares("train_phases"),
         "log_prob_phases": shares("log_prob_phases"),
         "job_wall_s": wall_s,
+        "kernels": ranks[0]["kernels"],
     }
 
 
@@ -468,12 +500,12 @@ def threads_policy(threads: int | None, layouts: list[BenchLayout]) -> str:
 
 
 def report(results: list[dict], command: str, shape: BatchShape, steps: int, threads_note: str,
-           load_before: float, args: argparse.Namespace) -> str:
+           load_before: float, args: argparse.Namespace, model: str) -> str:
     return "\n".join([
         f"Command: `{command}`",
         "",
         *machine_facts(threads_note, load_before, args.platform),
-        f"- model: {MODELS[args.model]}, {args.dtype} parameters (megatron's local layer spec, no fused kernels)",
+        f"- model: {model}; {args.dtype} parameters; {results[0]['kernels']}",
         f"- batch: {shape.describe()}, {results[0]['tokens']:,} valid tokens per step; "
         f"GSPO loss defaults; median of {steps} steps after 1 warm-up",
         "- padding: the share of the tokens the model replicas compute (micro-batch rows x padded length, "
@@ -491,23 +523,494 @@ def report(results: list[dict], command: str, shape: BatchShape, steps: int, thr
     ])
 
 
+# --- the model ------------------------------------------------------------------------------------
+
+
+def base_config(model: str) -> dict[str, Any]:
+    """--model's HF config before --layers / --experts / --vocab."""
+    return {**load_hf_config("tiny_qwen3_moe"), **MID_SIZE} if model == "mid" else load_hf_config(
+        "tiny_qwen3_moe" if model == "tiny" else model)
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """HF config keys that --layers / --experts / --vocab change (the slice's layers by default)."""
+    layers = args.layers or (SLICE_LAYERS if args.model == "qwen3_30b_a3b" else None)
+    keys = {"num_hidden_layers": layers, "num_experts": args.experts, "vocab_size": args.vocab}
+    return {k: v for k, v in keys.items() if v}
+
+
+def write_model(directory: str, args: argparse.Namespace) -> str:
+    """--model's random weights as a HF checkpoint in ``directory``: tiny and mid through
+    transformers (``save_model``), the Qwen3-30B-A3B slice tensor by tensor in bf16
+    (``save_shipped_model``; drawn on the GPU with --platform cuda)."""
+    overrides = model_overrides(args)
+    if args.model != "qwen3_30b_a3b":
+        return save_model(directory, args.model, **overrides)
+    print(f"writing the Qwen3-30B-A3B slice ({overrides}) ...", file=sys.stderr, flush=True)
+    if args.platform == "cuda":  # in a process of its own: this one must hold no GPU memory while the ranks run
+        import torch.multiprocessing as mp
+
+        mp.spawn(_write_slice, args=(directory, args.model, overrides), nprocs=1, join=True)
+        return directory
+    return save_shipped_model(directory, args.model, dtype=torch.bfloat16, **overrides)
+
+
+def _write_slice(rank: int, directory: str, model: str, overrides: dict[str, int]) -> None:
+    save_shipped_model(directory, model, dtype=torch.bfloat16, device="cuda", **overrides)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.0f} k"
+
+
+def describe_model(spec: ModelSpec, args: argparse.Namespace) -> str:
+    """The model in words: its shape, and what was cut from the shipped one."""
+    words = (f"{ACTOR_MODELS[args.model]}: {spec.num_layers} layer{'s' if spec.num_layers > 1 else ''}, "
+             f"hidden {spec.hidden_size}, "
+             f"{spec.num_attention_heads} q / {spec.num_query_groups} kv heads of {spec.head_dim}, "
+             f"{spec.num_experts} experts top-{spec.moe_topk} (intermediate {spec.moe_ffn_hidden_size}), "
+             f"vocabulary {spec.vocab_size:,}; {_count(spec.total_params)} parameters, "
+             f"{_count(matmul_params(spec))} active in matmuls")
+    if args.model == "qwen3_30b_a3b" and not args.checkpoint:
+        full = load_hf_config(args.model)
+        cuts = [f"{spec.num_layers} of its {full['num_hidden_layers']} layers"]
+        if spec.num_experts != full["num_experts"]:
+            share = full["num_experts"] // spec.num_experts if full["num_experts"] % spec.num_experts == 0 else None
+            cuts.append(f"{spec.num_experts} of {full['num_experts']} experts"
+                        + (f" (one EP{share} rank's share)" if share else ""))
+        if spec.vocab_size != full["vocab_size"]:
+            cuts.append(f"vocabulary cut to {spec.vocab_size:,} of {full['vocab_size']:,}")
+        words += "; cut: " + ", ".join(cuts)
+    return words
+
+
+# --- the sequence-length sweep -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One combination of the actor's fast paths (verl's switches in brackets)."""
+
+    words: str
+    flash_attn: bool = True  # fused attention (use_flash_attn); false: megatron's DotProductAttention
+    grouped_gemm: bool = True  # grouped-GEMM experts (moe_grouped_gemm); false: megatron's SequentialMLP
+    chunked: bool = True  # log-probs and entropy over chunks of tokens; false: log_prob_chunk_size=0
+    pack: bool = True  # packed micro-batches (use_remove_padding)
+
+    @property
+    def train(self) -> TrainParallel:
+        return TrainParallel(flash_attn=self.flash_attn, grouped_gemm=self.grouped_gemm)
+
+    def loss_config(self):
+        from loss.gspo import PAPER_SETTINGS
+        from loss.megatron_hook import ActorLossConfig
+
+        chunk = {} if self.chunked else {"log_prob_chunk_size": 0}  # chunked: the loss package's default size
+        return ActorLossConfig(loss_mode="gspo", policy=PAPER_SETTINGS, **chunk)
+
+
+VARIANTS: dict[str, Variant] = {
+    "all-on": Variant("every fast path on (the defaults)"),
+    "attention-off": Variant("flash_attn=false: megatron's DotProductAttention", flash_attn=False),
+    "experts-off": Variant("grouped_gemm=false: megatron's SequentialMLP", grouped_gemm=False),
+    "unchunked": Variant("log-probs and entropy in one chunk (log_prob_chunk_size=0)", chunked=False),
+    "unpacked": Variant("packing off (use_remove_padding=false)", pack=False),
+    "all-off": Variant("all four off: megatron's modules, one chunk, padded", False, False, False, False),
+}
+
+# Dense bf16 tensor-core peak per device (sparsity excluded), keyed by a part of
+# torch.cuda.get_device_name(), most specific first; the vendor's data sheet quotes twice these
+# figures "with sparsity".
+PEAK_BF16_TFLOPS: tuple[tuple[str, float, str], ...] = (
+    ("H100 PCIe", 756.0, "NVIDIA H100 data sheet, H100 PCIe: 1,513 TFLOPS bf16 with sparsity"),
+    ("H100 NVL", 835.0, "NVIDIA H100 data sheet, H100 NVL: 1,671 TFLOPS bf16 with sparsity"),
+    ("H100", 989.0, "NVIDIA H100 data sheet, H100 SXM: 1,979 TFLOPS bf16 with sparsity"),
+    ("GH200", 989.0, "NVIDIA GH200 data sheet: 1,979 TFLOPS bf16 with sparsity"),
+    ("H200", 989.0, "NVIDIA H200 data sheet, H200 SXM: 1,979 TFLOPS bf16 with sparsity"),
+    ("A100", 312.0, "NVIDIA A100 data sheet: 312 TFLOPS bf16 dense"),
+)
+
+
+def device_peak(name: str) -> tuple[float, str] | None:
+    """(dense bf16 TFLOPS, source) of a device by its name, None where the table has no entry."""
+    for key, tflops, source in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops, source
+    return None
+
+
+def matmul_params(spec: ModelSpec) -> int:
+    """Parameters one token meets in matrix products: q/k/v/o projections, router and the top-k
+    experts' three matrices per layer, and the LM head (the embedding is a lookup, norms are not
+    matmuls)."""
+    attention = spec.hidden_size * (2 * spec.q_dim + 2 * spec.kv_dim)
+    router = spec.num_experts * spec.hidden_size
+    head = spec.vocab_size * spec.hidden_size
+    return spec.num_layers * (attention + router + spec.moe_topk * spec.expert_params) + head
+
+
+def train_flops(spec: ModelSpec, lengths: list[int]) -> float:
+    """FLOPs of a training step (forward + backward) over sequences of ``lengths`` tokens:
+    6 x active matmul parameters x tokens, plus causal attention 6 x layers x heads x head_dim x s^2
+    per sequence (QK^T and PV, 2 x 2 s^2 d each head forward, halved by the causal mask, x 3 with
+    backward). The log-prob pass is a third of it."""
+    return sum(6 * matmul_params(spec) * s + 6 * spec.num_layers * spec.num_attention_heads * spec.head_dim * s**2
+               for s in lengths)
+
+
+def prompt_tokens(seq_len: int, share: float) -> int:
+    return min(seq_len - 1, max(1, round(seq_len * share)))
+
+
+def current_rss_mib() -> float:
+    """This process's resident set now (Linux /proc; elsewhere its peak so far)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return peak_rss_mib()
+
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS count (VmHWM) of this process; False where Linux won't."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def window_peak_rss_mib() -> float:
+    """Peak RSS since the last ``reset_peak_rss`` (VmHWM), else since the process started."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return peak_rss_mib()
+
+
+def _append(path: str, record: dict) -> None:
+    """One JSON line of a rank's progress: what a rank killed later has measured is kept."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _wall(fn: Callable[[], Any]) -> tuple[float, Any]:
+    synchronize()
+    start = time.perf_counter()
+    result = fn()
+    synchronize()
+    return time.perf_counter() - start, result
+
+
+def is_oom(error: BaseException) -> bool:
+    """An allocation that failed: torch's OutOfMemoryError, or cuBLAS / cuDNN / NCCL saying so."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
+
+
+def oom_words(error: BaseException) -> str:
+    """What an out-of-memory error tried, in short (torch: "Tried to allocate 28.50 GiB")."""
+    text = str(error)
+    found = re.search(r"Tried to allocate ([\d.]+ [KMGT]i?B)", text)
+    return f"allocating {found.group(1)}" if found else text.splitlines()[0][:120] if text else "out of memory"
+
+
+def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_share: float, steps: int) -> dict[str, Any]:
+    """Log-prob pass then train step, ``steps`` times after a warm-up, on ``rows`` rows of exactly
+    ``seq_len`` tokens in micro-batches of one row."""
+    from loss.megatron_hook import log_prob_func, policy_loss_func
+
+    prompt = prompt_tokens(seq_len, prompt_share)
+    batch = make_batch(BatchShape(rows=rows, prompt=prompt, response=seq_len - prompt, micro_batch=1, lengths="fixed"),
+                       actor.spec.vocab_size)
+    cfg = variant.loss_config()
+    log_probs = partial(actor.forward_only, batch, 1,
+                        partial(log_prob_func, cfg.temperature, False, log_prob_chunk_size=cfg.log_prob_chunk_size))
+    update = partial(actor.train_step, batch, 1, partial(policy_loss_func, cfg))
+    out: dict[str, Any] = {"seq_len": seq_len, "prompt": prompt, "tokens": valid_tokens(batch), "train_s": [],
+                           "log_prob_s": [], "skipped": 0}
+    for step in range(steps + 1):  # step 0 warms up
+        lp_s, lp_out = _wall(log_probs)
+        batch["old_log_probs"] = lp_out["log_probs"]
+        tr_s, metrics = _wall(update)
+        if step:
+            out["log_prob_s"].append(lp_s)
+            out["train_s"].append(tr_s)
+            out["skipped"] += int(metrics["actor/skipped"])
+    return out
+
+
+def measure_lengths(rank: int, variant: str, checkpoint: str, seq_lens: list[int], rows: int, prompt_share: float,
+                    steps: int, dtype: str, progress: str) -> dict[str, Any]:
+    """One variant in this (fresh) process on one rank: the actor built once, then each length in
+    turn, written to ``progress`` as it is measured. An out-of-memory error ends the variant."""
+    from megatron_bridge.runtime.actor import initialize_parallel
+    from megatron_bridge.runtime.platform import active
+
+    v = VARIANTS[variant]
+    initialize_parallel(v.train)
+    actor = build_actor(v.train, checkpoint, dtype, active().name, v.pack)
+    on_device = actor.device.type == "cuda"
+    loaded = current_rss_mib()
+    _append(progress, {"kernels": actor.kernels.describe(), "packs": actor.packs, "threads": torch.get_num_threads(),
+                       "log_prob_chunk_size": v.loss_config().log_prob_chunk_size, "loaded_rss_mib": loaded,
+                       "loaded_device_mib": torch.cuda.memory_allocated(actor.device) / 2**20 if on_device else None})
+    for seq_len in seq_lens:
+        if on_device:
+            torch.cuda.reset_peak_memory_stats(actor.device)
+        before = torch.cuda.memory_allocated(actor.device) / 2**20 if on_device else None
+        windowed = reset_peak_rss()
+        try:
+            row = measure_length(actor, v, seq_len, rows, prompt_share, steps)
+        except RuntimeError as error:  # torch.OutOfMemoryError, or a library's failed allocation
+            if not is_oom(error):
+                raise
+            row = {"seq_len": seq_len, "oom": oom_words(error)}
+        peak = window_peak_rss_mib()
+        row.update(peak_rss_mib=peak, rss_growth_mib=peak - loaded if windowed else None, device_before_mib=before,
+                   peak_device_mib=torch.cuda.max_memory_allocated(actor.device) / 2**20 if on_device else None)
+        _append(progress, row)
+        if "oom" in row:
+            break
+    return {}
+
+
+def run_variant(name: str, checkpoint: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Spawn the variant's rank; what it measured, per length, with OOM / timeout / failure and the
+    lengths not tried marked. A rank that dies or hangs costs its variant, not the sweep."""
+    progress = tmp / f"{name}.jsonl"
+    threads = args.threads or max(1, cpu_cores())
+    failure = None
+    start = time.perf_counter()
+    try:
+        run_ranks(measure_lengths, 1, threads, name, checkpoint, args.seq_lens, args.rows, args.prompt_share,
+                  args.steps, args.dtype, str(progress), platform=args.platform, timeout=args.run_timeout)
+    except TimeoutError:
+        failure = f"timeout ({args.run_timeout:g} s)"
+        print(f"[{name}] stopped after --run-timeout {args.run_timeout:g} s", file=sys.stderr)
+    except Exception:  # noqa: BLE001 - the rank's traceback is printed; the sweep goes on
+        traceback.print_exc()
+        failure = "failed (traceback in the log)"
+    lines = [json.loads(line) for line in progress.read_text().splitlines()] if progress.exists() else []
+    info, measured = (lines[0], {r["seq_len"]: r for r in lines[1:]}) if lines else ({}, {})
+    lengths = []
+    for seq_len in args.seq_lens:
+        if seq_len in measured:
+            lengths.append(measured[seq_len])
+        elif failure:  # the length it was on when it died
+            lengths.append({"seq_len": seq_len, "failed": failure})
+            failure = None
+        else:  # after an OOM or a failure at a shorter length
+            lengths.append({"seq_len": seq_len, "not_run": True})
+    return {"variant": name, "info": info, "lengths": lengths, "wall_s": time.perf_counter() - start}
+
+
+def predicted_peak_gib(spec: ModelSpec, variant: Variant, seq_len: int, platform: str) -> float:
+    """The planner's training peak for the variant's switches on a one-device layout, micro-batch 1
+    (``megatron_bridge.plan.memory.estimate``)."""
+    from megatron_bridge.plan import memory
+
+    layout = Layout("bench", train=variant.train, cluster=Cluster(device=platform))
+    return memory.estimate(spec, layout, seq_len, 1, packed=variant.pack,
+                           log_prob_chunk_size=variant.loss_config().log_prob_chunk_size).train_peak / 2**30
+
+
+def peak_flops(args: argparse.Namespace) -> tuple[float, str] | None:
+    """(FLOP/s, where the figure comes from) for MFU: --peak-tflops, else the device table on an
+    accelerator; None on the CPU without --peak-tflops, or on a device the table lacks."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, f"{args.peak_tflops:g} TFLOPS (--peak-tflops)"
+    if args.platform != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    found = device_peak(name)
+    if found is None:
+        print(f"warning: no bf16 peak known for {name!r}; pass --peak-tflops for the MFU columns", file=sys.stderr)
+        return None
+    return found[0] * 1e12, f"{found[0]:g} TFLOPS dense bf16 for the {name} ({found[1]}, halved)"
+
+
+def sweep_rows(results: list[dict], spec: ModelSpec, args: argparse.Namespace, peak: float | None) -> list[dict]:
+    """One summary per variant and length: tok/s, MFU, memory, the planner's prediction."""
+    out = []
+    for result in results:
+        variant = VARIANTS[result["variant"]]
+        for r in result["lengths"]:
+            row = {"variant": result["variant"], "seq_len": r["seq_len"],
+                   "predicted_gib": predicted_peak_gib(spec, variant, r["seq_len"], args.platform)}
+            if "train_s" in r:
+                train_s, log_prob_s = statistics.median(r["train_s"]), statistics.median(r["log_prob_s"])
+                flops = train_flops(spec, [r["seq_len"]] * args.rows)
+                row.update(
+                    tokens=r["tokens"], train_s=train_s, log_prob_s=log_prob_s, train_tok_s=r["tokens"] / train_s,
+                    log_prob_tok_s=r["tokens"] / log_prob_s, skipped=r["skipped"],
+                    train_mfu=flops / train_s / peak if peak else None,
+                    log_prob_mfu=flops / 3 / log_prob_s / peak if peak else None,
+                )
+            row.update(status=status(r), peak_rss_mib=r.get("peak_rss_mib"), rss_growth_mib=r.get("rss_growth_mib"),
+                       peak_device_mib=r.get("peak_device_mib"), device_before_mib=r.get("device_before_mib"))
+            out.append(row)
+    return out
+
+
+def status(r: dict) -> str | None:
+    """None for a measured length, else what happened instead."""
+    if "oom" in r:
+        return f"OOM ({r['oom']})"
+    if "failed" in r:
+        return r["failed"]
+    if r.get("not_run"):
+        return "not run"
+    return None
+
+
+def _gib(mib: float | None) -> str:
+    return "—" if mib is None else f"{mib / 1024:,.1f}"
+
+
+def sweep_table(rows: list[dict], device: bool, mfu: bool) -> str:
+    """One line per variant and length; a length not measured shows what happened instead."""
+    speed = ["train step tok/s", *(["train MFU"] if mfu else []), "log-prob tok/s", *(["log-prob MFU"] if mfu else []),
+             "train step s", "log-prob s"]
+    memory = (["peak device memory (GiB)", "planner's train peak (GiB)", "predicted / measured"] if device
+              else ["peak RSS (MiB)", "growth over the loaded model (MiB)"])
+    cols = ["variant", "tokens / sequence", *speed, *memory]
+    lines = ["| " + " | ".join(cols) + " |", "|---|" + "--:|" * (len(cols) - 1)]
+    for r in rows:
+        ran = r["status"] != "not run"
+        if r["status"] is None:
+            cells = [f"{r['train_tok_s']:,.0f}"] + ([f"{r['train_mfu']:.1%}"] if mfu else [])
+            cells += [f"{r['log_prob_tok_s']:,.0f}"] + ([f"{r['log_prob_mfu']:.1%}"] if mfu else [])
+            cells += [f"{r['train_s']:.3f}", f"{r['log_prob_s']:.3f}"]
+        else:  # OOM / timeout / failed in the first cell, or not run
+            cells = [r["status"] if ran else "—"] + ["—"] * (len(speed) - 1)
+        if device:  # an OOM's peak is what it reached before it failed
+            measured = r["peak_device_mib"] if r["status"] is None else None
+            cells += [_gib(r["peak_device_mib"] if ran else None), f"{r['predicted_gib']:,.1f}",
+                      f"{r['predicted_gib'] * 1024 / measured:.2f}" if measured else "—"]
+        else:
+            cells += [_mib(r["peak_rss_mib"] if ran else None), _mib(r["rss_growth_mib"] if ran else None)]
+        lines.append("| " + " | ".join([r["variant"], f"{r['seq_len']:,}", *cells]) + " |")
+    return "\n".join(lines)
+
+
+def _mib(mib: float | None) -> str:
+    return "—" if mib is None else f"{mib:,.0f}"
+
+
+def kernels_table(results: list[dict], device: bool) -> str:
+    lines = ["| variant | what it switches | what ran (`actor.kernels.describe()`) | micro-batches | log-prob chunk |"
+             + (" device memory once loaded (GiB) |" if device else ""), "|---|---|---|---|--:|" + ("--:|" if device else "")]
+    for result in results:
+        info, v = result["info"], VARIANTS[result["variant"]]
+        packed = "—" if not info else "packed" if info["packs"] else "padded"
+        size = info.get("log_prob_chunk_size")
+        chunk = "—" if not info else f"{size:,} tokens" if size else "one"
+        kernels = info.get("kernels", "did not start")
+        loaded = f" {_gib(info.get('loaded_device_mib'))} |" if device else ""
+        lines.append(f"| {result['variant']} | {v.words} | {kernels} | {packed} | {chunk} |{loaded}")
+    return "\n".join(lines)
+
+
+def sweep_report(results: list[dict], rows: list[dict], command: str, spec: ModelSpec, model: str,
+                 args: argparse.Namespace, peak: tuple[float, str] | None, load_before: float) -> str:
+    device = args.platform == "cuda"
+    threads = {r["info"].get("threads") for r in results if r["info"]} - {None}
+    prompt = ", ".join(f"{prompt_tokens(s, args.prompt_share):,} + {s - prompt_tokens(s, args.prompt_share):,}"
+                       for s in args.seq_lens)
+    facts = [
+        f"Command: `{command}`",
+        "",
+        *machine_facts(f"torch.set_num_threads({', '.join(map(str, sorted(threads))) or '?'}) in the one rank",
+                       load_before, args.platform),
+        f"- model: {model}; {args.dtype} parameters, random weights",
+        f"- batch per length s: {args.rows} row{'s' if args.rows > 1 else ''} of exactly s tokens, "
+        f"prompt + response = {prompt} "
+        f"(--prompt-share {args.prompt_share:g}), no padding; micro-batch 1 row; GSPO loss "
+        f"(`loss.gspo.PAPER_SETTINGS`); per step the log-prob pass (its log-probs become `old_log_probs`), "
+        f"then one train step; median of {args.steps} steps after 1 warm-up",
+        "- each variant runs in one fresh process on one rank, the lengths in ascending order; an out-of-memory "
+        "error is caught there and reported as OOM, and that variant's longer lengths are not run"
+        + (f"; --run-timeout {args.run_timeout:g} s per variant" if args.run_timeout else ""),
+        f"- FLOPs: train step = 6 x {matmul_params(spec):,} active matmul parameters (q/k/v/o, router, top-"
+        f"{spec.moe_topk} experts' three matrices per layer, LM head) x tokens + 6 x {spec.num_layers} layers x "
+        f"{spec.num_attention_heads} heads x {spec.head_dim} x s^2 per sequence (causal attention); log-prob pass "
+        "= a third of that",
+    ]
+    if peak:
+        facts.append(f"- MFU = FLOPs / wall time / peak; peak = {peak[1]}")
+    if device:
+        facts.append("- peak device memory: `torch.cuda.max_memory_allocated()` over the length's steps (reset before "
+                     "each length); the planner's: `megatron_bridge.plan.memory.estimate(spec, one-device layout with "
+                     "the variant's switches, s, micro_batch_size=1).train_peak` (bf16 weights, fp32 grads and Adam, and the "
+                     "larger of the activations with the logits and the optimizer step's temporaries)")
+    else:
+        facts.append("- peak RSS: the process's VmHWM over the length's steps (reset before each length through "
+                     "/proc/self/clear_refs); growth: that minus the RSS right after the model was loaded "
+                     "(activations, Adam's moments from the first step, allocator caches)")
+    skipped = sum(r.get("skipped") or 0 for r in rows)
+    return "\n".join(facts + [
+        *([f"- warning: {skipped} steps were skipped (non-finite)"] if skipped else []),
+        "",
+        sweep_table(rows, device, peak is not None),
+        "",
+        "What ran in each variant:",
+        "",
+        kernels_table(results, device),
+    ])
+
+
+def sweep_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    load_before = load_before_run()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="actor_sweep_") as tmp:
+        checkpoint = args.checkpoint or write_model(tmp, args)
+        spec = load_model_spec(checkpoint)
+        model = describe_model(spec, args)
+        print(f"model: {model}", file=sys.stderr, flush=True)
+        for name in args.variants:
+            print(f"[{name}] {VARIANTS[name].words} ...", file=sys.stderr, flush=True)
+            result = run_variant(name, checkpoint, args, Path(tmp))
+            for row in sweep_rows([result], spec, args, None):
+                done = (f"{row['train_tok_s']:,.0f} train tok/s, {row['log_prob_tok_s']:,.0f} log-prob tok/s"
+                        if row["status"] is None else row["status"])
+                memory = (f", peak {_gib(row['peak_device_mib'])} GiB (planner {row['predicted_gib']:.1f}; "
+                          f"{_gib(row['device_before_mib'])} GiB held before the length)"
+                          if row["peak_device_mib"] is not None and row["status"] != "not run" else "")
+                print(f"[{name}] {row['seq_len']:,} tokens: {done}{memory}", file=sys.stderr, flush=True)
+            print(f"[{name}] {result['wall_s']:.0f} s with start-up", file=sys.stderr, flush=True)
+            results.append(result)
+    peak = peak_flops(args)  # after the ranks: asking the GPU's name opens a CUDA context in this process
+    rows = sweep_rows(results, spec, args, peak[0] if peak else None)
+    body = sweep_report(results, rows, command_line(SCRIPT, argv), spec, model, args, peak, load_before)
+    publish(body, args.out, SCRIPT, "Actor throughput", SWEEP_BLOCK)
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python bench/actor_throughput.py",
         description="Tokens/s of the megatron actor's GSPO train step and log-prob pass, peak memory and a "
         "phase profile, for the tiny (or mid-size) Qwen3-MoE on CPU gloo ranks or accelerators under several "
-        "parallel layouts.",
-        epilog="layouts: " + "; ".join(f"{name} = {describe_layout(name)} on {LAYOUTS[name].ranks} rank(s)" for name in LAYOUTS),
+        "parallel layouts; with --seq-lens, tok/s, MFU and peak memory against sequence length with each fast "
+        "path on and off, on one rank.",
+        epilog="layouts: " + "; ".join(f"{name} = {describe_layout(name)} on {LAYOUTS[name].ranks} rank(s)" for name in LAYOUTS)
+        + ". variants (--seq-lens): " + "; ".join(f"{name} = {v.words}" for name, v in VARIANTS.items()),
     )
-    p.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS), metavar="LAYOUT",
-                   help=f"layouts to run (default: all; choices: {', '.join(LAYOUTS)})")
+    p.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=None, metavar="LAYOUT",
+                   help=f"layouts to run (default: all; choices: {', '.join(LAYOUTS)}); --seq-lens runs on one rank")
     p.add_argument("--steps", type=int, default=5, help="measured steps per layout, after one warm-up (default 5)")
-    p.add_argument("--rows", type=int, default=BatchShape.rows, help="rows in the global batch (default 16)")
+    p.add_argument("--rows", type=int, default=None,
+                   help=f"rows in the global batch (default {BatchShape.rows}; with --seq-lens 1 per length)")
     p.add_argument("--prompt", type=int, default=BatchShape.prompt, help="longest prompt (default 32)")
     p.add_argument("--response", type=int, default=BatchShape.response, help="response width (default 96)")
-    p.add_argument("--micro-batch", type=int, default=BatchShape.micro_batch, help="micro-batch size (default 4)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help=f"micro-batch size (default {BatchShape.micro_batch}; --seq-lens: always 1)")
     p.add_argument("--lengths", choices=LENGTHS, default=BatchShape.lengths,
-                   help="response lengths: uniform in [R/3, R] (default) or long-tail (most short, a few long)")
+                   help="response lengths: uniform in [R/3, R] (default), long-tail (most short, a few long) or "
+                        "fixed (every row --prompt + --response)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="also run every layout with micro-batches by a token budget of N per micro-batch "
                         "(dynamic batch size)")
@@ -516,19 +1019,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--platform", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo ranks (default); cuda: one GPU per rank, nccl")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="parameter dtype (default fp32)")
-    p.add_argument("--model", choices=tuple(MODELS), default="tiny",
-                   help="tiny (default) or mid (0.70 B parameters, bench/common.py MID_SIZE)")
+    p.add_argument("--model", choices=tuple(ACTOR_MODELS), default="tiny",
+                   help="tiny (default), mid (0.70 B parameters, bench/common.py MID_SIZE) or qwen3_30b_a3b (a slice "
+                        f"of Qwen3-30B-A3B with the real layer shapes, --layers of them, default {SLICE_LAYERS})")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's; the slice's 2)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per layer, e.g. 16 for one EP8 rank's share of 128 (default: the model's)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the model's; to cut the slice "
+                   "for a CPU)")
     p.add_argument("--checkpoint", default=None,
                    help="HF directory of the model (default: write --model's random weights to a temp dir)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None, metavar="S",
+                   help="run the sequence-length sweep instead of the layouts: sequences of S tokens, micro-batch 1")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
+                   help=f"fast-path variants of the sweep (default: all; choices: {', '.join(VARIANTS)})")
+    p.add_argument("--prompt-share", type=float, default=0.2,
+                   help="the sweep's prompt share of each sequence, the rest response (default 0.2: 2k + 8k at 10k)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak in TFLOPS for the MFU columns (default: bf16 dense from the table of "
+                        "known GPUs; no MFU on the CPU unless given)")
+    p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop a sweep variant's process after this long and report it as a timeout")
     p.add_argument("--torch-profile", metavar="DIR", default=None,
                    help="also run one extra train step under torch.profiler and write each rank's top ops to DIR")
     p.add_argument("--out", type=Path, default=None,
-                   help="markdown file whose generated block to (re)write, e.g. docs/bench_actor.md")
+                   help="markdown file whose generated block to (re)write, e.g. docs/bench_actor.md (the sweep "
+                        f"writes the block marked '{SWEEP_BLOCK}')")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    for flag in ("layers", "experts", "vocab", "rows", "micro_batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.checkpoint and not Path(args.checkpoint, "config.json").is_file():
+        p.error(f"--checkpoint {args.checkpoint}: no config.json there (expected a HF model directory)")
+    if args.checkpoint and (args.layers or args.experts or args.vocab):
+        p.error("--layers / --experts / --vocab shape the random model; a --checkpoint has its own shape")
+    top_k = base_config(args.model)["num_experts_per_tok"]
+    if args.experts is not None and args.experts < top_k:
+        p.error(f"--experts {args.experts}: each token is routed to {top_k} experts; keep at least that many")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error("--peak-tflops must be > 0")
+    if args.platform == "cuda" and not torch.cuda.is_available():
+        p.error("--platform cuda: torch sees no GPU here")
+    if args.seq_lens:
+        _check_sweep(p, args)
+    else:
+        _check_layouts(p, args)
+    return args
+
+
+def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.layouts not in (None, ["single"]):
+        p.error("--seq-lens runs on one rank (layout single); leave out --layouts")
+    for flag, given in (("--max-tokens", args.max_tokens), ("--torch-profile", args.torch_profile)):
+        if given:
+            p.error(f"{flag} is for the layout tables, not the --seq-lens sweep")
+    if args.micro_batch not in (None, 1):
+        p.error("--seq-lens measures micro-batches of one row; leave out --micro-batch")
+    if min(args.seq_lens) < 2:
+        p.error("--seq-lens: each length must be >= 2 (a prompt and a response token)")
+    if sorted(set(args.seq_lens)) != args.seq_lens:
+        p.error("--seq-lens must be ascending, each once: a variant that runs out of memory at one length skips the "
+                "longer ones")
+    if not 0 < args.prompt_share < 1:
+        p.error("--prompt-share must be between 0 and 1")
+    if args.run_timeout is not None and args.run_timeout <= 0:
+        p.error("--run-timeout must be > 0")
+    args.rows = args.rows or 1
+    args.micro_batch = 1
+    check_out(p, args.out, SCRIPT, SWEEP_BLOCK)
+
+
+def _check_layouts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag, given in (("--variants", args.variants != list(VARIANTS)), ("--run-timeout", args.run_timeout)):
+        if given:
+            p.error(f"{flag} is for the --seq-lens sweep")
+    args.layouts = args.layouts or list(LAYOUTS)
+    args.rows = args.rows or BatchShape.rows
+    args.micro_batch = args.micro_batch or BatchShape.micro_batch
     if args.max_tokens is not None and args.max_tokens < args.prompt + args.response:
         p.error(f"--max-tokens {args.max_tokens} must hold the longest sequence, --prompt + --response = "
                 f"{args.prompt + args.response}")
@@ -539,8 +1110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if too_wide:
             p.error(f"--platform cuda: layouts {', '.join(too_wide)} need more ranks than the {devices} visible GPU(s); "
                     "choose layouts that fit, e.g. --layouts single")
-    if args.checkpoint and not Path(args.checkpoint, "config.json").is_file():
-        p.error(f"--checkpoint {args.checkpoint}: no config.json there (expected a HF model directory)")
     for name in args.layouts:
         if args.max_tokens and LAYOUTS[name].train.pp > 1:
             p.error(f"--max-tokens with layout {name}: micro-batches of different lengths need megatron's variable "
@@ -549,22 +1118,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dp = LAYOUTS[name].dp
         if args.rows % (dp * args.micro_batch):
             p.error(f"--rows {args.rows} must split into DP{dp} x --micro-batch {args.micro_batch} for layout {name}")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.seq_lens:
+        return sweep_main(args, argv)
     shape = BatchShape(rows=args.rows, prompt=args.prompt, response=args.response, micro_batch=args.micro_batch,
                        lengths=args.lengths)
     if args.torch_profile:
         Path(args.torch_profile).mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()[0]
-    if load_before > cpu_cores() / 2:
-        print(f"warning: 1-minute load average is {load_before:.2f} on {cpu_cores()} cores; other processes will skew "
-              "the numbers", file=sys.stderr)
+    load_before = load_before_run()
     results = []
     with tempfile.TemporaryDirectory(prefix="tiny_qwen3_moe_") as tmp:
-        checkpoint = args.checkpoint or save_model(tmp, args.model)
+        checkpoint = args.checkpoint or write_model(tmp, args)
+        model = describe_model(load_model_spec(checkpoint), args)
         for layout in args.layouts:
             for max_tokens in [None] + ([args.max_tokens] if args.max_tokens else []):
                 name = label({"layout": layout, "max_tokens": max_tokens})
@@ -578,7 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{name}] warning: {result['skipped']} rank-steps were skipped (non-finite)", file=sys.stderr)
                 results.append(result)
     threads_note = threads_policy(args.threads, [LAYOUTS[name] for name in args.layouts])
-    body = report(results, command_line(SCRIPT, argv), shape, args.steps, threads_note, load_before, args)
+    body = report(results, command_line(SCRIPT, argv), shape, args.steps, threads_note, load_before, args, model)
     publish(body, args.out, SCRIPT, "Actor throughput")
     return 0
 

@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 import torch  # noqa: E402
 
 from bench.actor_throughput import BatchShape, build_actor, dp_share, make_batch  # noqa: E402
-from bench.common import check_out, command_line, cpu_cores, machine_facts, publish, run_ranks  # noqa: E402
+from bench.common import check_out, command_line, cpu_cores, load_before_run, machine_facts, publish, run_ranks  # noqa: E402
 from megatron_bridge.plan.layout import TrainParallel  # noqa: E402
 
 SCRIPT = "bench/checkpoint_io.py"
@@ -404,10 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    load_before = os.getloadavg()[0]
-    if load_before > cpu_cores() / 2:
-        print(f"warning: 1-minute load average is {load_before:.2f} on {cpu_cores()} cores; other processes will skew "
-              "the numbers", file=sys.stderr)
+    load_before = load_before_run()
     start = time.perf_counter()
     results = [run_size(size, args.ranks, args.repeats) for size in args.sizes]
     body = report(results, command_line(SCRIPT, argv), args.repeats, load_before, args.ranks)
