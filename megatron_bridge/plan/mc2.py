@@ -1,7 +1,7 @@
 """Rollout-side MC2 facts for vLLM-Ascend: which MoE communication it will pick for a layout and
 the HCCL_BUFFSIZE that MC2 needs (launchers set it instead of guessing).
 
-Sources (shared/reference/ascend_runtime.md): vllm-ascend ``select_moe_comm_method`` — A3: MC2
+Sources (docs/sources.md, MC2 and HCCL): vllm-ascend ``select_moe_comm_method`` — A3: MC2
 while the batch fits the MC2 token capacity, else all-to-all; A2: MC2 only with EP >= 16 and at
 most 24 experts per device, else all-gather. Buffer, from the operator's own check (vllm-ascend
 PR #5287's error text, its terms spelled out in vllm-ascend PR #3073):

@@ -2,7 +2,7 @@
 
 ``validate`` returns every violated rule (not only the first), each naming the rule, the values
 and the valid choices. The rules are megatron-core 0.12.1's and vLLM / vLLM-Ascend's, with their
-sources in shared/reference/facts_megatron_qwen3moe.md (§2 training, §3 rollout).
+sources in docs/sources.md (parallelism rules).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What megatron-core 0.12.1 needs to run on CPU gloo ranks, and nothing more.
 
 megatron-core assumes CUDA in a handful of places (measured one by one, see
-shared/reference/cpu_platform_findings.md). Each block below covers exactly one of them; what
+docs/sources.md). Each block below covers exactly one of them; what
 megatron needs without Transformer Engine on any platform is ``megatron_compat``'s. The adaptor is
 installed only when the ``cpu`` platform is chosen explicitly or detected on a machine with no
 accelerator: it is for tests and the tiny default, never a fallback for a requested accelerator.
