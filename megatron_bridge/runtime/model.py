@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron_bridge.plan.layout import TrainParallel
 from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.runtime.kernels import KernelChoice, resolve
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,10 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def transformer_config(spec: ModelSpec, train: TrainParallel, options: BuildOptions, platform_name: str):
+def transformer_config(spec: ModelSpec, train: TrainParallel, options: BuildOptions, platform_name: str,
+                       kernels: KernelChoice):
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_bridge.runtime.kernels import resolve
-
-    kernels = resolve(train, platform_name)
     dispatcher = options.dispatcher or ("allgather" if platform_name == "cpu" else "alltoall")
     recompute = train.recompute_granularity
     return TransformerConfig(
@@ -106,7 +105,7 @@ def transformer_config(spec: ModelSpec, train: TrainParallel, options: BuildOpti
     )
 
 
-def layer_spec(config, train: TrainParallel, platform_name: str):
+def layer_spec(config, train: TrainParallel, kernels: KernelChoice):
     """Transformer Engine's spec when TE is importable (MindSpeed provides it on NPU), else
     megatron's local spec with a sequence-parallel-capable RMSNorm; attention and experts as
     ``megatron_bridge.runtime.kernels`` resolves the layout's switches."""
@@ -114,9 +113,7 @@ def layer_spec(config, train: TrainParallel, platform_name: str):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_bridge.runtime.kernels import resolve
-
-    if resolve(train, platform_name).transformer_engine:
+    if kernels.transformer_engine:
         block = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=True))
         if not train.flash_attn:
             for spec in block.layer_specs:
@@ -149,7 +146,8 @@ def build_model_chunks(spec: ModelSpec, train: TrainParallel, options: BuildOpti
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, train, options, platform_name)
+    kernels = resolve(train, platform_name)
+    config = transformer_config(spec, train, options, platform_name, kernels)
     chunks = []
     for vp_rank in range(train.vpp or 1):
         if train.vpp:
@@ -159,7 +157,7 @@ def build_model_chunks(spec: ModelSpec, train: TrainParallel, options: BuildOpti
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec(config, train, platform_name),
+                transformer_layer_spec=layer_spec(config, train, kernels),
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.max_position_embeddings,
                 pre_process=pre,
