@@ -239,13 +239,14 @@ def _module_pair(rank, world_size, dtype_name):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from megatron_bridge.runtime.actor import initialize_parallel
+    from megatron_bridge.runtime.kernels import resolve
     from megatron_bridge.runtime.model import BuildOptions, transformer_config
 
     dtype = getattr(torch, dtype_name)
     train = TrainParallel()
     initialize_parallel(train)
     spec = load_model_spec("tiny_qwen3_moe")
-    config = transformer_config(spec, train, BuildOptions(params_dtype=dtype), "cpu")
+    config = transformer_config(spec, train, BuildOptions(params_dtype=dtype), "cpu", resolve(train, "cpu"))
     local = spec.num_experts
     sequential = SequentialMLP(local, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear))
