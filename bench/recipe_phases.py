@@ -1,10 +1,17 @@
-"""Per-phase time, tokens/s and peak memory of the tiny CPU recipe (the README's main job).
+"""Per-phase time, tokens/s and peak memory of a recipe (default: the README's main job).
 
-    python bench/recipe_phases.py [--config configs/recipe/tiny_gspo.yaml] [--steps 20] [--out docs/bench_recipe.md] [key=value ...]
+    python bench/recipe_phases.py [--config configs/recipe/tiny_gspo.yaml] [--steps 20] [--out docs/bench_recipe.md]
+        [--block NAME] [--profile FILE] [key=value ...]
 
 Runs the recipe for ``--steps`` steps (no validation, no checkpoints) through the real trainer
-(Ray workers, megatron-core on gloo ranks, transformers rollout) and reports the median over the
-steps after the first of each ``timing_s/*`` phase, tokens/s and the busiest worker's peak memory.
+(Ray workers, megatron-core, the configured rollout engine) and reports the median over the steps
+after the first of each ``timing_s/*`` phase, the part of it the busiest worker spent in the
+phase's method (the rest: Ray's transfers and scheduling, and waiting), tokens/s and the busiest
+worker's peak memory. ``--profile FILE``: torch.profiler over the workers' second step, its
+operator and kernel tables written to FILE. On one GPU:
+
+    python bench/recipe_phases.py --steps 8 trainer.device=cuda trainer.n_gpus_per_node=1 \
+        actor_rollout_ref.actor.megatron.expert_model_parallel_size=1
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from bench.common import machine_facts, publish  # noqa: E402
 
 SCRIPT = "bench/recipe_phases.py"
 PHASES = ("gen", "old_log_prob", "ref", "update_actor", "reshard", "step")
+# the worker method each phase runs (recipe.workers.colocated.Worker, counted by its ``busy``)
+METHODS = {"gen": "run", "old_log_prob": "compute_log_probs", "update_actor": "update", "reshard": "sync_weights"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/recipe/tiny_gspo.yaml")
     p.add_argument("--steps", type=int, default=20, help="steps to run; the first is left out of the medians")
     p.add_argument("--out", type=Path, default=None, help="write the results block of this markdown file")
+    p.add_argument("--block", default=None, help="the named generated block of --out to write (default: the first)")
+    p.add_argument("--profile", type=Path, default=None, help="write torch.profiler's tables of the second step here")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_args(argv)
     if args.steps < 2:
@@ -47,30 +58,50 @@ def run(args: argparse.Namespace) -> tuple[list[dict], object]:
         trainer = Trainer(cfg)
         try:
             trainer.start()
-            return [trainer.train_step(step) for step in range(1, args.steps + 1)], cfg
+            history = []
+            for step in range(1, args.steps + 1):
+                if step == 2 and args.profile:  # one step: the profiler's tables of more take minutes to build
+                    trainer.workers.call("profile", [(True,)] * trainer.workers.world_size)
+                metrics = trainer.train_step(step)
+                busy = trainer.workers.call("take_busy")
+                for method in set(METHODS.values()):  # the busiest worker's seconds in each method
+                    metrics[f"worker_s/{method}"] = max(b.get(method, 0.0) for b in busy)
+                history.append(metrics)
+                print(f"step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}s" for k, v in metrics.items()
+                                                    if k.startswith(("timing_s/", "worker_s/"))), file=sys.stderr)
+                if step == 2 and args.profile:
+                    tables = trainer.workers.call("profile", [(False,)] * trainer.workers.world_size)
+                    args.profile.write_text("\n\n".join(tables) + "\n")
+                    print(f"wrote {args.profile}", file=sys.stderr)
+            return history, cfg
         finally:
             trainer.close()
 
 
 def report(history: list[dict], cfg, args: argparse.Namespace, load_before: float) -> str:
     steady = history[1:]
+    device = cfg.layout.cluster.device
     med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
     step_s = med("timing_s/step")
     lines = [
         f"Command: `python {SCRIPT} --config {args.config} --steps {args.steps}"
         + "".join(f" {o}" for o in args.overrides) + "`",
         "",
-        *machine_facts(f"one torch thread per worker ({cfg.layout.cluster.world_size} Ray workers)", load_before),
+        *machine_facts(f"one torch thread per worker ({cfg.layout.cluster.world_size} Ray workers)", load_before, device),
         f"- recipe: {cfg.trainer.experiment_name}, layout {cfg.parallel}, {cfg.data.train_batch_size} prompts x "
         f"{cfg.actor_rollout_ref.rollout.n} responses per step, medians over steps 2-{args.steps}",
         "",
-        "| phase | median s | share of step |",
-        "|---|---|---|",
+        "| phase | median s | share of step | in the worker's method, s |",
+        "|---|---|---|---|",
     ]
     for phase in PHASES:
         key = f"timing_s/{phase}"
         if key in steady[0]:
-            lines.append(f"| {phase} | {med(key):.3f} | {100 * med(key) / step_s:.0f}% |")
+            method = METHODS.get(phase)
+            # the old-log-prob and reference passes share a method: its seconds go to the first
+            inside = f"{med('worker_s/' + method):.3f} (`{method}`)" if method and not (
+                phase == "ref" or (phase == "old_log_prob" and "timing_s/ref" in steady[0])) else "—"
+            lines.append(f"| {phase} | {med(key):.3f} | {100 * med(key) / step_s:.0f}% | {inside} |")
     tokens = med("perf/total_num_tokens")
     lines += [
         "",
@@ -78,7 +109,12 @@ def report(history: list[dict], cfg, args: argparse.Namespace, load_before: floa
         f"{med('perf/throughput'):.0f} tokens/s per worker (`perf/throughput`)",
         f"- generated tokens per second of `gen`: "
         f"{statistics.median(m['response_length/mean'] * len_rows(cfg) / m['timing_s/gen'] for m in steady):.0f}",
-        f"- peak memory of the busiest worker (resident set): {max(m['perf/max_memory_allocated_gb'] for m in history):.2f} GB",
+        f"- peak memory of the busiest worker ({'resident set' if device == 'cpu' else 'device memory allocated'}): "
+        f"{max(m['perf/max_memory_allocated_gb'] for m in history):.2f} GB",
+        f"- rollout engine {cfg.actor_rollout_ref.rollout.name}, "
+        f"{'gives its device memory back while training' if cfg.actor_rollout_ref.rollout.free_cache_engine else 'keeps its weights on the device'} "
+        f"(free_cache_engine={str(cfg.actor_rollout_ref.rollout.free_cache_engine).lower()}); "
+        f"dtype {cfg.actor_rollout_ref.model.dtype}, micro-batch {cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}",
     ]
     return "\n".join(lines)
 
@@ -91,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
     history, cfg = run(args)
-    publish(report(history, cfg, args, load_before), args.out, SCRIPT, "The tiny CPU recipe, phase by phase")
+    publish(report(history, cfg, args, load_before), args.out, SCRIPT, "The tiny recipe, phase by phase", args.block)
     return 0
 
 

@@ -39,16 +39,17 @@ from megatron_bridge.runtime.optim import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR
 from megatron_bridge.plan.layout import Layout, layout_from_dict, layout_to_dict, nearest_key
+from megatron_bridge.plan.memory import GIB, hf_engine_bytes
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
 from megatron_bridge.plan.verdict import evaluate
 from megatron_bridge.tiny_model import TINY
-from recipe.rollout import ENGINES, engines_for
+from recipe.rollout import ENGINES, auto_engine, engines_for
 from recipe.verl_compat import check_equal, translate
 
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_TASKS = ("tiny", "tiny_long", "tiny_long_tail")  # builtin:<task>, built by recipe/data/tiny_task.py
 _LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
-_DERIVED = ("layout", "ignored")  # RecipeConfig fields built while loading, not YAML keys
+_DERIVED = ("layout", "ignored", "notes")  # RecipeConfig fields built while loading, not YAML keys
 
 
 def builtin_task(path: str) -> str | None:
@@ -182,6 +183,10 @@ class RolloutConfig:
     # further engine arguments per engine, as verl's: {"vllm": {...}} goes to vllm.LLM (the hf engine takes none)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_rollout_routing_replay: bool = False  # the engine reports each token's experts (R3, mismatch metrics)
+    # verl's: true, a colocated engine gives its device memory back while the trainer computes
+    # (vLLM always does); false, the transformers engine keeps its weights on the device; None:
+    # the memory plan decides at load (the transformers engine keeps them where both fit)
+    free_cache_engine: bool | None = None
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 
@@ -352,6 +357,9 @@ class RecipeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ignored: tuple[str, ...] = ()  # verl keys given that have no effect here, with the reason (not a YAML key)
+    # what loading chose for the user and why, for the start-up lines (not a YAML key; a config
+    # reloaded from its resolved keys has chosen nothing, so equality leaves them out)
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def generation_batch_size(self) -> int:
@@ -437,7 +445,8 @@ def one_of(choices: Iterable[str] | Callable[[], Iterable[str]]) -> Rule:
 
 POSITIVE = at_least(1)
 TRUNCATIONS = ("error", "left", "right")
-DTYPES = ("bfloat16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+DTYPES = tuple(DTYPE_BYTES)
 ROLLOUT_NAMES = ("auto", *ENGINES)
 RESUME_MODES = ("auto", "disable", "resume_path")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")  # verl's names: weights, optimizer state, schedule/RNG/step
@@ -643,7 +652,7 @@ def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
                 + _fully_async_problems(cfg) + _layout_problems(cfg, name))
     if problems:
         raise ConfigError(f"{name}: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
-    return cfg
+    return _engine_memory_between_rollouts(cfg, name)
 
 
 def config_to_dict(cfg: RecipeConfig) -> dict:
@@ -839,12 +848,17 @@ def _resolve_rollout_engine(cfg: RecipeConfig, name: str) -> RecipeConfig:
             f"{name}: actor_rollout_ref.rollout.name={rollout.name!r} does not run on trainer.device={device!r}; "
             f"use {' or '.join(map(repr, runs_here))} or 'auto'"
         )
-    engine = runs_here[0] if rollout.name == "auto" else rollout.name
+    notes = cfg.notes
+    if rollout.name == "auto":
+        engine, why = auto_engine(device)
+        notes += (f"rollout engine: {engine} ({_ROLLOUT}.name=auto: {why})",)
+    else:
+        engine = rollout.name
     dtype = _first_set(rollout.dtype, cfg.actor_rollout_ref.model.dtype)
     arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(rollout, name=engine, dtype=dtype))
     ignored = cfg.ignored + tuple(f"{_ROLLOUT}.engine_kwargs.{k} (the {engine} engine takes no such arguments)"
                                   for k in rollout.engine_kwargs if k != engine)
-    return dataclasses.replace(cfg, actor_rollout_ref=arr, ignored=ignored)
+    return dataclasses.replace(cfg, actor_rollout_ref=arr, ignored=ignored, notes=notes)
 
 
 def _log_prob_passes_follow_actor(cfg: RecipeConfig) -> RecipeConfig:
@@ -930,6 +944,9 @@ def _batch_problems(cfg: RecipeConfig) -> list[str]:
 
 def _cross_checks(cfg: RecipeConfig) -> list[str]:
     out = _batch_problems(cfg)
+    if cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.actor_rollout_ref.rollout.free_cache_engine is False:
+        out.append(f"{_ROLLOUT}.free_cache_engine=false with rollout.name=vllm: a colocated vLLM always gives its "
+                   "weights and KV cache back while the trainer computes here; drop the key (or use rollout.name=hf)")
     trainer, data = cfg.trainer, cfg.data
     if trainer.total_training_steps is None and trainer.total_epochs is None:
         out.append("trainer.total_training_steps=null needs trainer.total_epochs (the run's length)")
@@ -1047,6 +1064,36 @@ def _colocated_rollout_on_training_devices(cfg: RecipeConfig) -> RecipeConfig:
         return cfg  # a pool that differs is refused by _pool_problems
     rollout = dataclasses.replace(layout.rollout, nnodes=None, devices_per_node=None)
     return dataclasses.replace(cfg, layout=dataclasses.replace(layout, rollout=rollout))
+
+
+def _engine_memory_between_rollouts(cfg: RecipeConfig, name: str) -> RecipeConfig:
+    """``free_cache_engine`` left unset, decided: a colocated transformers engine on a device keeps
+    its weights there through training when the planner's training peak and the engine's memory
+    (``hf_engine_bytes``) fit the device together (no copy to the host and back every step); vLLM,
+    an engine of its own pool and the CPU engine (nothing to move) take verl's default, true."""
+    rollout, device = cfg.actor_rollout_ref.rollout, cfg.layout.cluster.device
+    if rollout.free_cache_engine is not None:
+        return cfg
+    keep, note = False, None
+    if rollout.name == "hf" and device != "cpu" and not cfg.layout.separate_rollout:
+        spec = model_spec(cfg, name)
+        report = layout_verdict(cfg, spec).memory
+        gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        rows = -(-cfg.generation_batch_size * rollout.n // cfg.layout.rollout.dp)  # per rank, the largest share
+        engine = hf_engine_bytes(spec, DTYPE_BYTES[rollout.dtype], rows,
+                                 cfg.data.max_prompt_length + cfg.data.max_response_length)
+        if report is None or report.device_bytes is None:
+            note = "the device memory is not known (trainer.device_memory_gb)"
+        else:
+            keep = report.train_peak + engine <= report.device_bytes
+            note = (f"training peak {gib(report.train_peak)} + engine {gib(engine)} (estimates) "
+                    f"{'fit' if keep else 'exceed'} trainer.device_memory_gb={report.device_bytes / GIB:g}")
+    arr = dataclasses.replace(cfg.actor_rollout_ref, rollout=dataclasses.replace(rollout, free_cache_engine=not keep))
+    notes = cfg.notes
+    if note is not None:
+        what = "keeps its weights on the device through training" if keep else "moves its weights to the host while training"
+        notes += (f"rollout engine {what} ({_ROLLOUT}.free_cache_engine={str(not keep).lower()}: {note})",)
+    return dataclasses.replace(cfg, actor_rollout_ref=arr, notes=notes)
 
 
 def model_spec(cfg: RecipeConfig, name: str) -> ModelSpec:

@@ -206,16 +206,18 @@ def _one_rank_process_group(device: str) -> None:
 
 def build_engine(cfg: RecipeConfig, model_dir: Path, max_model_len: int,
                  seed: int) -> tuple[RolloutEngine, str, str]:
-    """The run's engine if it runs on this device, else the device's first (``engines_for``), in the
-    run's rollout dtype; with its name and dtype. Its weights come with ``load_weights``."""
+    """The run's engine if it runs on this device and is installed, else the one ``auto`` picks here
+    (``auto_engine``), in the run's rollout dtype; with its name and dtype. Its weights come with
+    ``load_weights``."""
     from megatron_bridge.plan.layout import RolloutParallel
     from megatron_bridge.runtime.platform import detect
-    from recipe.rollout import ENGINES, engines_for
+    from recipe.rollout import ENGINES, auto_engine, engines_for
     from recipe.rollout.base import EngineArgs
 
     device = detect()
     rollout = cfg.actor_rollout_ref.rollout
-    name = rollout.name if rollout.name in engines_for(device) else engines_for(device)[0]
+    runs_here = rollout.name in engines_for(device) and not ENGINES[rollout.name].missing(device)
+    name = rollout.name if runs_here else auto_engine(device)[0]
     if device != "cpu":
         _one_rank_process_group(device)
     dtype = rollout.dtype or cfg.actor_rollout_ref.model.dtype

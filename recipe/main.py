@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None, algo: str | None = None) -> int:
         from recipe.driver.trainer import train
 
         cfg = load_config(args.config, list(args.overrides) + ([f"algo={algo}"] if algo else []))
+        for note in cfg.notes:
+            print(note, file=sys.stderr)
         if cfg.ignored:
             print("verl keys with no effect here: " + "; ".join(cfg.ignored), file=sys.stderr)
         train(cfg)

@@ -78,7 +78,6 @@ ONLY: dict[str, tuple[tuple, str]] = {
     f"{REF}.strategy": (("megatron",), "the reference model is Megatron-Core"),
     "model_engine": (("megatron",), "the actor is Megatron-Core"),
     f"{ROLLOUT}.mode": (("async", "sync"), "generation is colocated and synchronous"),
-    f"{ROLLOUT}.free_cache_engine": ((True,), "the engine always gives its memory back between rollouts"),
     f"{ROLLOUT}.do_sample": ((True,), "training rollouts sample (greedy only for validation: val_kwargs)"),
     f"{ROLLOUT}.quantization": ((None,), "the rollout runs in actor_rollout_ref.rollout.dtype, unquantised"),
     f"{ROLLOUT}.logprobs_mode": (("processed_logprobs",), "rollout log-probs are taken after temperature"),

@@ -354,3 +354,48 @@ def test_auto_resume_skips_an_unfinished_save(written, tmp_path):
     assert to_resume(TrainerConfig(resume_mode="auto"), tmp_path) == complete
     assert to_resume(TrainerConfig(resume_mode="disable"), tmp_path) is None
     assert remove_stale(tmp_path) == [unfinished] and not unfinished.exists()
+
+
+def _save_and_load_with_a_writer_that_drops_mcore_data(rank, world_size, directory):
+    """torch 2.11's FileSystemWriter.finish, which writes a ``dataclasses.replace`` copy of the
+    metadata, on top of this torch's; then megatron's save and load of an N-D flattened tensor
+    (what the distributed optimizer's state is), as the actor's checkpoint has them."""
+    import dataclasses
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    from megatron_bridge.runtime.checkpoint import numpy2_compat
+    from megatron_bridge.runtime.megatron_compat import keep_mcore_data
+
+    numpy2_compat()  # as the actor's save and load call it
+    covered = _FileSystemWriter.finish
+
+    def finish_as_torch_2_11(self, metadata, results):
+        covered(self, dataclasses.replace(metadata, version="1.0.0"), results)
+
+    def state(values):
+        return {"moments": ShardedTensor.from_rank_offsets_flat("moments", values.flatten(), (3, 4),
+                                                                flattened_range=slice(0, 12))}
+
+    _FileSystemWriter.finish = finish_as_torch_2_11
+    for name in ("dropped", "kept"):
+        os.makedirs(f"{directory}/{name}")
+    dist_checkpointing.save(state(torch.arange(12.0).reshape(3, 4)), f"{directory}/dropped")
+    try:
+        dist_checkpointing.load(state(torch.zeros(3, 4)), f"{directory}/dropped")
+        dropped = "loaded"
+    except AttributeError as e:
+        dropped = str(e)
+    keep_mcore_data(_FileSystemWriter)
+    dist_checkpointing.save(state(torch.arange(12.0).reshape(3, 4)), f"{directory}/kept")
+    loaded = dist_checkpointing.load(state(torch.zeros(3, 4)), f"{directory}/kept")
+    return {"dropped": dropped, "kept": loaded["moments"].tolist()}
+
+
+def test_a_checkpoint_loads_where_torch_drops_megatrons_metadata(tmp_path):
+    """The resume that failed on an H100 with torch 2.11 (docs/bench_device.md), on this torch."""
+    result = run_ranks(_save_and_load_with_a_writer_that_drops_mcore_data, 1, tmp_path, str(tmp_path))[0]
+    assert "has no attribute 'mcore_data'" in result["dropped"]
+    assert result["kept"] == [float(i) for i in range(12)]

@@ -182,7 +182,7 @@ def test_type_errors_name_key_value_and_type(override, expected):
     ("actor_rollout_ref.actor.loss_agg_mode", "mean", "seq-mean-token-mean"),
     ("actor_rollout_ref.actor.kl_loss_type", "k4", "low_var_kl"),
     ("actor_rollout_ref.actor.optim.lr_decay_style", "linear", "constant, cosine"),
-    ("actor_rollout_ref.rollout.name", "sglang", "auto, hf, vllm"),
+    ("actor_rollout_ref.rollout.name", "sglang", "auto, vllm, hf"),
     ("trainer.resume_mode", "maybe", "auto, disable, resume_path"),
     ("trainer.logger", "[console, mlflow]", "console, jsonl, tensorboard, swanlab, wandb"),
     ("actor_rollout_ref.model.dtype", "float16", "bfloat16, float32"),
@@ -274,9 +274,44 @@ def test_sigterm_grace_period_is_seconds_from_zero():
 
 def test_rollout_engine_follows_the_device():
     assert load_config(TINY).actor_rollout_ref.rollout.name == "hf"
-    assert load_config(BIG).actor_rollout_ref.rollout.name == "vllm"
     message = error(TINY, ["actor_rollout_ref.rollout.name=vllm"])
     assert "rollout.name='vllm'" in message and "trainer.device='cpu'" in message and "'hf'" in message
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_auto_takes_vllm_where_installed_else_transformers(monkeypatch, installed):
+    """``auto`` on an accelerator: vLLM where its packages import, the transformers engine otherwise;
+    the start-up note says which and why. An explicit name is kept as given."""
+    from recipe import rollout
+
+    present = "json" if installed else "no_such_package_here"
+    monkeypatch.setitem(rollout.ENGINES, "vllm", dataclasses.replace(
+        rollout.ENGINES["vllm"], requires={"cuda": (present,), "npu": (present, "json")}))
+    for device in ("cuda", "npu"):
+        cfg = load_config(BIG, ["trainer.device=cuda", "trainer.npu_kind=null"] if device == "cuda" else [])
+        assert cfg.actor_rollout_ref.rollout.name == ("vllm" if installed else "hf"), device
+        note = next(n for n in cfg.notes if n.startswith("rollout engine: "))
+        assert ("needs no_such_package_here, not installed" in note) is not installed, note
+    assert load_config(BIG, ["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout.name == "hf"
+
+
+ONE_GPU = ["trainer.device=cuda", "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"]
+
+
+def test_the_transformers_engine_keeps_its_weights_where_both_fit():
+    """The tiny job on one GPU: training peak (10.4 MiB) + engine (14.4 MiB) fit 4 GB, so the engine
+    stays; in 0.02 GiB (20.5 MiB) training alone fits, both do not, so it moves to the host each step."""
+    def engine(cfg):
+        return cfg.actor_rollout_ref.rollout.free_cache_engine, [n for n in cfg.notes if "free_cache_engine" in n]
+
+    keep, notes = engine(load_config(TINY, ONE_GPU))
+    assert keep is False and "keeps its weights on the device" in notes[0] and "fit trainer.device_memory_gb=4" in notes[0]
+    free, notes = engine(load_config(TINY, [*ONE_GPU, "trainer.device_memory_gb=0.02"]))
+    assert free is True and "moves its weights to the host" in notes[0] and "exceed" in notes[0]
+    assert engine(load_config(TINY, [*ONE_GPU, "actor_rollout_ref.rollout.free_cache_engine=true"])) == (True, [])
+    assert engine(load_config(TINY)) == (True, [])  # the CPU engine: nothing to move, verl's default
+    assert "free_cache_engine=false with rollout.name=vllm" in error(BIG, ["actor_rollout_ref.rollout.name=vllm",
+                                                                          "actor_rollout_ref.rollout.free_cache_engine=false"])
 
 
 def test_overlong_buffer_must_fit_in_the_response():
@@ -387,3 +422,20 @@ def test_hybrid_engine_with_the_trainers_pool_spelt_out_stays_colocated():
     split = load_config(TINY, ["actor_rollout_ref.hybrid_engine=false", "async_training.mode=one_step_off",
                                "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2"])
     assert split.layout.separate_rollout and pools(split.layout)[1].size == 2
+
+
+def test_the_documented_one_gpu_commands_load():
+    """The one-GPU commands of the README and docs/recipe.md, as written there, give a valid config on
+    one CUDA device with the transformers engine (vLLM is not installed here)."""
+    import re
+    import shlex
+
+    commands = []
+    for doc in ("README.md", "docs/recipe.md"):
+        text = open(os.path.join(os.path.dirname(CONFIGS_DIR), doc)).read().replace("\\\n", " ")
+        commands += [c for c in re.findall(r"python -m recipe\.main\w* (--config [^\n`]+)", text) if "trainer.device=cuda" in c]
+    assert len(commands) == 3, commands  # README's, and docs/recipe.md's main job and long-response task
+    for command in commands:
+        _, config, *overrides = shlex.split(command)
+        cfg = load_config(config, overrides)
+        assert (cfg.layout.cluster.device, cfg.layout.cluster.world_size, cfg.actor_rollout_ref.rollout.name) == ("cuda", 1, "hf")

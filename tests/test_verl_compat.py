@@ -175,7 +175,6 @@ def test_mirrored_keys_must_agree():
     ("actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "FSDP backend; .* actor_rollout_ref.actor.megatron"),
     ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "use actor_rollout_ref.actor.optim.lr_decay_style"),
     ("actor_rollout_ref.actor.strategy=fsdp2", "strategy='fsdp2' is not supported: the actor is Megatron-Core"),
-    ("actor_rollout_ref.rollout.free_cache_engine=false", "free_cache_engine=False is not supported"),
     ("trainer.critic_warmup=5", "critic_warmup=5 is not supported: GRPO and GSPO have no critic"),
     ("async_training.use_rollout_log_probs=true", "fully asynchronous trainer, not implemented here: the old "
                                                   "log-probs are always recomputed"),

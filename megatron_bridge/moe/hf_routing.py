@@ -43,14 +43,15 @@ class HFRoutingRecorder:
 
         return record
 
-    def take(self) -> torch.Tensor:
-        """The routing of the last model call, and forget it."""
+    def take(self, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The routing of the last model call, on ``device``, and forget it. A decoding loop on an
+        accelerator keeps it there and copies the whole once: a copy per call waits for the device."""
         if not self._calls:
             raise RuntimeError("no routing recorded: call the model first")
         tokens = next(iter(self._calls.values())).shape[0]
-        out = torch.full((tokens, self.layers, self.topk), NONE, dtype=ROUTING_DTYPE)
+        out = torch.full((tokens, self.layers, self.topk), NONE, dtype=ROUTING_DTYPE, device=device)
         for layer, indices in self._calls.items():
-            out[:, layer] = indices.sort(dim=-1).values.to(device="cpu", dtype=ROUTING_DTYPE)
+            out[:, layer] = indices.sort(dim=-1).values.to(device=device, dtype=ROUTING_DTYPE)
         self._calls = {}
         return out
 

@@ -325,6 +325,16 @@ def rollout_weight_bytes(spec: ModelSpec, layout: Layout) -> int:
     return int(2 * (dense / r.tp + experts / (r.tp * r.dp)))
 
 
+def hf_engine_bytes(spec: ModelSpec, dtype_bytes: int, rows: int, max_len: int) -> int:
+    """The transformers rollout engine on one device (an estimate): every weight (it does not
+    shard), the KV cache of ``rows`` sequences of ``max_len`` tokens (a left-padded batch keeps
+    every row as long as the longest), and the float32 logits of one decoding step with about
+    three more of that size for sampling (temperature, top-k / top-p, softmax)."""
+    kv_cache = 2 * spec.num_layers * spec.kv_dim * rows * max_len * dtype_bytes
+    sampling = 4 * rows * spec.vocab_size * 4
+    return spec.total_params * dtype_bytes + kv_cache + sampling
+
+
 @dataclass(frozen=True)
 class RolloutPoolMemory:
     """Per device of the rollout's own pool (``hybrid_engine=false``): the engine alone, no

@@ -9,6 +9,9 @@ micro-batches (``_cover_packed_rope``), with the loop's numbers.
 from __future__ import annotations
 
 import functools
+import os
+import pickle
+from pathlib import Path
 
 import torch
 
@@ -46,6 +49,39 @@ def _cover_torch_writer() -> None:
         return filesystem._write_item(*args)
 
     filesystem_async._write_item = write_item
+
+
+def keep_mcore_data(writer_class) -> None:
+    """torch 2.11's ``FileSystemWriter.finish`` writes ``dataclasses.replace(metadata, ...)``, a copy
+    without the ``mcore_data`` attribute megatron-core 0.12.1's save planner sets on the checkpoint's
+    metadata (the original shapes of its flattened optimizer tensors). Such a checkpoint saves but
+    does not load: "'Metadata' object has no attribute 'mcore_data'" (the main job's resume on an
+    H100 with torch 2.11; torch 2.13 sets the version in place and keeps it). After the writer has
+    written the metadata file, put the attribute back where it is missing."""
+    original = writer_class.finish
+
+    @functools.wraps(original)
+    def finish(self, metadata, results):
+        original(self, metadata, results)
+        mcore_data = getattr(metadata, "mcore_data", None)
+        if mcore_data is None:
+            return
+        rank = getattr(self, "rank", None)
+        name = ".metadata" if getattr(self, "use_collectives", True) or rank is None else f"__{rank}.metadata"
+        path = Path(self.path) / name
+        with open(path, "rb") as file:
+            written = pickle.load(file)
+        if getattr(written, "mcore_data", None) is not None:
+            return
+        written.mcore_data = mcore_data
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "wb") as file:
+            pickle.dump(written, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+
+    writer_class.finish = finish
 
 
 def _torch_adam(optimizer) -> bool:
@@ -136,6 +172,9 @@ def install() -> None:
 
     _cover_fp8_quantize()
     _cover_torch_writer()
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    keep_mcore_data(_FileSystemWriter)
     _cover_adam_state(DistributedOptimizer)
     _cover_packed_rope()
     _installed = True

@@ -60,6 +60,7 @@ from recipe.rollout.base import (
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _MISSING_SHOWN = 5  # missing names listed in a WeightLoadError
 _UNCHANGED = " (the engine's weights are unchanged)"
+_LOOK_EVERY = 8  # tokens between the host's reads of whether any row goes on, on an accelerator
 
 
 @dataclass(frozen=True)
@@ -208,13 +209,13 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0
 
         if params.seed is None:  # nothing to reproduce: a continuation draws afresh too
-            generators = [torch.Generator(self.device)]
+            generators = [torch.Generator()]
             generators[0].seed()
         else:
             ids = range(batch) if request_ids is None else request_ids
             if len(ids) != batch:
                 raise ValueError(f"{len(ids)} request ids for {batch} prompts")
-            generators = generators or [torch.Generator(self.device).manual_seed(request_seed(params.seed, i))
+            generators = generators or [torch.Generator().manual_seed(request_seed(params.seed, i))
                                         for i in ids]
         stop_ids = torch.tensor(
             sorted(self.eos_token_ids | set(params.stop_token_ids)), dtype=torch.long, device=self.device
@@ -234,7 +235,7 @@ class HFEngine:
             n = lengths[lo:hi].tolist()
             routed = None
             if self.routing is not None:
-                fed = torch.cat(fed_routing, dim=1)  # columns: the left-padded prompt, then response tokens 0, 1, ...
+                fed = torch.cat(fed_routing, dim=1).cpu()  # columns: the left-padded prompt, then response tokens 0, 1, ...
                 routed = [fed[lo + i, width - len(prompts[lo + i]) : width + k - 1].clone() for i, k in enumerate(n)]
             return Generation(
                 token_ids=[row[:k] for row, k in zip(tokens[lo:hi].tolist(), n)],
@@ -247,6 +248,10 @@ class HFEngine:
             )
 
         given: set[int] = set()  # the parts given back during the loop
+        # Whether any row goes on is read on the host every token on the CPU; on an accelerator that
+        # read waits for the device, so it is read every few tokens (rows that ended decode padding
+        # meanwhile, cut below).
+        look_every = 1 if self.device.type == "cpu" else _LOOK_EVERY
         for step in range(steps):
             logits = self.model(
                 input_ids=input_ids,
@@ -257,25 +262,26 @@ class HFEngine:
                 logits_to_keep=1,
             ).logits[:, -1]
             if self.routing is not None:
-                fed_routing.append(self.routing.take().view(batch, input_ids.shape[1], -1, self.routing.topk))
-            token, log_prob = _sample(logits.float(), params, generators)
+                fed_routing.append(self.routing.take(self.device).view(batch, input_ids.shape[1], -1, self.routing.topk))
+            token, log_prob = _sample(logits.float(), params, generators, by_inverse_cdf=self.device.type != "cpu")
             tokens[:, step], log_probs[:, step] = token, log_prob
             # finished rows go on decoding (keeps the batch rectangular); their tail is cut below
             newly = ~stopped & (step < lengths) & torch.isin(token, stop_ids)
-            lengths[newly] = step + 1
+            lengths = torch.where(newly, step + 1, lengths)
             stopped |= newly
             going = ~stopped & (lengths > step + 1)
-            if not bool(going.any()):
-                break
-            if self._pause.is_set():
-                lengths[going] = step + 1
+            if self._pause.is_set() and bool(going.any()):
+                lengths = torch.where(going, step + 1, lengths)
                 paused = True
                 break
-            if on_part is not None:
-                for i, (lo, hi) in enumerate(bounds):
-                    if i not in given and not bool(going[lo:hi].any()):
-                        given.add(i)
-                        on_part(i, responses(lo, hi))
+            if step + 1 == steps or (step + 1) % look_every == 0:
+                if not bool(going.any()):
+                    break
+                if on_part is not None:
+                    for i, (lo, hi) in enumerate(bounds):
+                        if i not in given and not bool(going[lo:hi].any()):
+                            given.add(i)
+                            on_part(i, responses(lo, hi))
             input_ids = token[:, None]
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             positions = positions[:, -1:] + 1
@@ -306,7 +312,7 @@ class HFEngine:
 
 def build(args: EngineArgs) -> HFEngine:
     """``recipe.rollout.ENGINES``'s entry: one process, no parallelism, no further arguments."""
-    device = "cpu" if args.platform == "cpu" else torch.device(args.platform, torch.cuda.current_device())
+    device = "cpu" if args.platform == "cpu" else torch.device(args.platform, torch.accelerator.current_device_index())
     return HFEngine(args.model_dir, dtype=args.dtype, device=device, return_routed_experts=args.return_routed_experts)
 
 
@@ -341,9 +347,11 @@ def _eos_token_ids(model: Qwen3MoeForCausalLM) -> set[int]:
     return ids
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]):
+def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],
+            by_inverse_cdf: bool = False):
     """One token per row of float32 ``logits`` [B, V], and its log-prob (see the module doc).
-    ``generators``: one for the whole batch, or one per row."""
+    ``generators`` (on the host): one for the whole batch, or one per row. ``by_inverse_cdf``: draw
+    with ``_inverse_cdf`` instead of ``torch.multinomial`` (an engine on an accelerator)."""
     if params.temperature == 0:
         token = logits.argmax(-1)
         log_probs = logits.log_softmax(-1)
@@ -361,8 +369,25 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch
             drop = (probs.cumsum(-1) - probs) >= params.top_p
             scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         probs = scaled.softmax(-1)
-        if len(generators) == 1:
+        if by_inverse_cdf:
+            token = _inverse_cdf(probs, generators)
+        elif len(generators) == 1:
             token = torch.multinomial(probs, 1, generator=generators[0])[:, 0]
         else:
             token = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
     return token, log_probs.gather(-1, token[:, None])[:, 0]
+
+
+def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V]: a uniform per row from its host generator (or B from
+    the one), then the first token whose cumulative probability exceeds it, for all rows at once.
+    On a GPU ``torch.multinomial`` with a generator per row costs a dozen kernel launches per row
+    and token: 2/3 of the tiny job's generation on an H100 (docs/bench_device.md). A token of
+    probability 0 (cut by top-k / top-p) covers no interval and is never drawn."""
+    if len(generators) == 1:
+        uniform = torch.rand(probs.shape[0], generator=generators[0])
+    else:
+        uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
+    cdf = probs.cumsum(-1)
+    target = uniform.to(probs.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)

@@ -26,7 +26,6 @@ API facts relied on (vllm-project/vllm, vllm-project/vllm-ascend; versions as no
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import torch
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.layout import RolloutParallel
+from recipe.rollout import ENGINES
 
 PLATFORMS = ("cuda", "npu")
 VLLM_VERSION, VLLM_ASCEND_VERSION = "0.11.0", "0.11.0rc1"
@@ -271,7 +271,7 @@ def require_vllm(platform: str) -> None:
             f"VLLMEngine runs on {' or '.join(PLATFORMS)}, not {platform!r}; on the CPU use "
             "recipe.rollout.hf_engine.HFEngine"
         )
-    missing = [p for p in ("vllm",) + (("vllm_ascend",) if platform == "npu" else ()) if importlib.util.find_spec(p) is None]
+    missing = ENGINES["vllm"].missing(platform)
     if missing:
         names = " and ".join(m.replace("_", "-") for m in missing)
         raise VLLMNotInstalledError(f"VLLMEngine on {platform} needs {names}, which is not installed: {INSTALL[platform]}")

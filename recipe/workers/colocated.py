@@ -9,16 +9,19 @@ called on all workers together.
 The device alternates between the engine and the Megatron shards: ``generate`` offloads the
 training state the layout names (``param_offload``, ``grad_offload``, ``optimizer_offload``; the
 reference model's weights under ``param_offload``; it has no grads or optimizer) before it wakes
-the engine, and every method that computes with a shard puts the engine to sleep first.
+the engine, and every method that computes with a shard puts the engine to sleep first, unless
+``rollout.free_cache_engine`` is false (the config sets it so where engine and training fit together).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -76,9 +79,26 @@ def join_world(device: str, rank: int, world_size: int, master_addr: str, master
     return platform
 
 
+def busy(method: Callable) -> Callable:
+    """Count the seconds a step's method runs in the worker (``Worker.take_busy``): beside the
+    driver's time for the same phase, the rest is Ray's (transfer, scheduling) and waiting."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.busy[method.__name__] = self.busy.get(method.__name__, 0.0) + time.perf_counter() - start
+
+    return timed
+
+
 class Worker:
     def __init__(self, rank: int, world_size: int, threads: int):
         self.rank, self.world_size = rank, world_size
+        self.busy: dict[str, float] = {}
+        self.profiler: torch.profiler.profile | None = None
         torch.set_num_threads(threads)
         quiet_known_warnings()
 
@@ -96,6 +116,7 @@ class Worker:
         self.actor = ActorWorker(cfg, self.rank, self.world_size, model_dir, DTYPES[cfg.actor_rollout_ref.model.dtype],
                                  platform.name, rollout_ep, make_room=self._sleep_rollout)
         self.rollout = RolloutWorker(cfg, model_dir, DTYPES[cfg.actor_rollout_ref.rollout.dtype], platform.name)
+        self.free_engine = cfg.actor_rollout_ref.rollout.free_cache_engine
         self.sync_weights()
         return self._info()
 
@@ -116,10 +137,12 @@ class Worker:
         )
 
     def _sleep_rollout(self) -> None:
-        self.rollout.sleep()  # the training state coming back needs the memory the engine holds
+        if self.free_engine:
+            self.rollout.sleep()  # the training state coming back needs the memory the engine holds
 
     # --- one step ----------------------------------------------------------------------------
 
+    @busy
     def run(self, calls: list[tuple[list[list[int]], list[int], SamplingParams, int]]) -> None:
         """Generate the calls, each (prompts, request ids, sampling, key), joined (``RolloutWorker.run``)."""
         self.actor.offload()
@@ -128,6 +151,7 @@ class Worker:
     def result(self, key: int) -> Answer:
         return self.rollout.result(key)
 
+    @busy
     def compute_log_probs(self, batch: dict[str, torch.Tensor], model: str,
                           replay: bool) -> tuple[torch.Tensor, RoutingRecord | None]:
         self._sleep_rollout()
@@ -137,15 +161,42 @@ class Worker:
         self._sleep_rollout()
         return self.actor.sample_routing(batch)
 
+    @busy
     def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int,
                replay: bool) -> tuple[list[dict[str, float]], RoutingRecord]:
         self._sleep_rollout()
         return self.actor.update(batch, mini_batch_rows, replay)
 
+    @busy
     def sync_weights(self) -> dict[str, float]:
         from recipe.rollout.sync import sync_weights
 
         return sync_weights(self.actor.export(), self.rollout.engine)
+
+    def take_busy(self) -> dict[str, float]:
+        """The seconds each step method ran here since the last call (``busy``), and start anew."""
+        taken, self.busy = self.busy, {}
+        return taken
+
+    def profile(self, start: bool, rows: int = 30) -> str | None:
+        """torch.profiler over this worker's calls from ``profile(True)`` to ``profile(False)``, which
+        returns the ``rows`` operators and kernels taking the most self time on the host and on the
+        device (``bench/recipe_phases.py --profile``)."""
+        if start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            return None
+        self.profiler.__exit__(None, None, None)
+        events, self.profiler = self.profiler.key_averages(), None
+        tables = [f"rank {self.rank}, by self time on the host:",
+                  events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)]
+        if torch.cuda.is_available():
+            tables += ["by self time on the device:",
+                       events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60)]
+        return "\n".join(tables)
 
     def weights_fingerprint(self) -> tuple[float, float]:
         return self.actor.weights_fingerprint()
