@@ -288,11 +288,13 @@ def test_auto_takes_vllm_where_installed_else_transformers(monkeypatch, installe
     monkeypatch.setitem(rollout.ENGINES, "vllm", dataclasses.replace(
         rollout.ENGINES["vllm"], requires={"cuda": (present,), "npu": (present, "json")}))
     for device in ("cuda", "npu"):
-        cfg = load_config(BIG, ["trainer.device=cuda", "trainer.npu_kind=null"] if device == "cuda" else [])
+        auto = ["actor_rollout_ref.rollout.name=auto"]  # the 30B recipes name vLLM
+        cfg = load_config(BIG, auto + (["trainer.device=cuda", "trainer.npu_kind=null"] if device == "cuda" else []))
         assert cfg.actor_rollout_ref.rollout.name == ("vllm" if installed else "hf"), device
         note = next(n for n in cfg.notes if n.startswith("rollout engine: "))
         assert ("needs no_such_package_here, not installed" in note) is not installed, note
     assert load_config(BIG, ["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout.name == "hf"
+    assert load_config(BIG).actor_rollout_ref.rollout.name == "vllm"  # named: no fallback for a 30B model
 
 
 ONE_GPU = ["trainer.device=cuda", "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"]

@@ -26,13 +26,19 @@ TINY = {"gspo": "configs/recipe/tiny_gspo.yaml", "grpo": "configs/recipe/tiny_gr
 VOLATILE = ("timing_s/", "perf/", "reshard/export_s", "training/rollout_", "rollout_corr/")
 
 
-# Hang guards, not performance limits: generous for a machine busy with other work.
-FAILS_EARLY_S = 600  # a run refused at its config, layout or data (seconds on an idle machine)
-
-
 def run_main(args: list[str], timeout: int = 900, **popen) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "recipe.main", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, **popen)
+
+
+def main_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``python -m recipe.main`` in this process, for runs that end before Ray starts (the command's
+    own error handling, without a new interpreter's imports)."""
+    from recipe.main import main
+
+    code = main(args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
@@ -46,16 +52,16 @@ def stable(m: dict) -> dict:
 # --- bad inputs: each a clear message, no traceback ---------------------------------------------
 
 
-def test_unknown_key_names_the_nearest(tmp_path):
-    out = run_main(["--config", TINY["gspo"], "actor_rollout_ref.actor.clip_ratio_hihg=0.3"], timeout=FAILS_EARLY_S)
+def test_unknown_key_names_the_nearest(tmp_path, capsys):
+    out = main_in_process(["--config", TINY["gspo"], "actor_rollout_ref.actor.clip_ratio_hihg=0.3"], capsys)
     assert out.returncode == 2
     assert "clip_ratio_hihg" in out.stderr and "clip_ratio_high" in out.stderr
     assert "Traceback" not in out.stderr
 
 
-def test_invalid_layout_fails_before_start(tmp_path):
-    out = run_main(["--config", TINY["gspo"], "actor_rollout_ref.actor.megatron.expert_model_parallel_size=3",
-                    f"trainer.default_local_dir={tmp_path}"], timeout=FAILS_EARLY_S)
+def test_invalid_layout_fails_before_start(tmp_path, capsys):
+    out = main_in_process(["--config", TINY["gspo"], "actor_rollout_ref.actor.megatron.expert_model_parallel_size=3",
+                           f"trainer.default_local_dir={tmp_path}"], capsys)
     assert out.returncode == 2
     assert "expert" in out.stderr.lower() and "Traceback" not in out.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -80,12 +86,12 @@ def _row(i: int, **over) -> dict:
     ({"prompt": []}, "prompt"),
     ({"reward_model": {"style": "rule", "ground_truth": None}}, "reward_model.ground_truth"),
 ])
-def test_bad_parquet_row_is_named(tmp_path, bad, field):
+def test_bad_parquet_row_is_named(tmp_path, capsys, bad, field):
     rows = [_row(i) for i in range(8)]
     rows[5] = _row(5, **bad)
     path = _write_rows(tmp_path / "bad.parquet", rows)
-    out = run_main(["--config", TINY["gspo"], f"data.train_files=[{path}]", "data.val_files=[]",
-                    f"trainer.default_local_dir={tmp_path / 'run'}"], timeout=FAILS_EARLY_S)
+    out = main_in_process(["--config", TINY["gspo"], f"data.train_files=[{path}]", "data.val_files=[]",
+                           f"trainer.default_local_dir={tmp_path / 'run'}"], capsys)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "bad.parquet" in out.stderr and "row 5" in out.stderr and field in out.stderr
     assert "Traceback" not in out.stderr
@@ -95,10 +101,13 @@ def test_bad_parquet_row_is_named(tmp_path, bad, field):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["gspo", "grpo"])
-def test_tiny_recipe_raises_the_score(tmp_path, algo):
-    """The README's main job: the score rises clearly over the default steps."""
-    out = run_main(["--config", TINY[algo], f"trainer.default_local_dir={tmp_path}"])
+@pytest.mark.parametrize("algo, steps", [("gspo", 50), ("grpo", 20)])
+def test_tiny_recipe_raises_the_score(tmp_path, algo, steps):
+    """The README's main job as it is (GSPO, its 50 steps): the score rises clearly. Its GRPO twin
+    runs the same loop with the other loss, so 20 of its steps show the rise (-0.41 -> +0.65
+    measured, first / last 5) at 2/5 of the time."""
+    out = run_main(["--config", TINY[algo], f"trainer.default_local_dir={tmp_path}",
+                    f"trainer.total_training_steps={steps}"])
     assert out.returncode == 0, out.stderr[-3000:]
     history = metrics(tmp_path)
     steps = sorted(k for k in history if k > 0)
@@ -415,22 +424,22 @@ def test_sigterm_under_a_joined_cluster_leaves_the_cluster_up(tmp_path):
     (lambda p: None, "does not exist: give a checkpoint directory"),
     (Path.mkdir, "is not a complete checkpoint: trainer_state.json is missing; actor/ is missing; give another one"),
 ])
-def test_resume_from_path_not_a_checkpoint_fails_before_anything_starts(tmp_path, make, what):
+def test_resume_from_path_not_a_checkpoint_fails_before_anything_starts(tmp_path, capsys, make, what):
     path = tmp_path / "global_step_5"
     make(path)
     run = tmp_path / "run"
-    out = run_main(["--config", TINY["gspo"], "trainer.resume_mode=resume_path", f"trainer.resume_from_path={path}",
-                    f"trainer.default_local_dir={run}"], timeout=FAILS_EARLY_S)
+    out = main_in_process(["--config", TINY["gspo"], "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={path}", f"trainer.default_local_dir={run}"], capsys)
     assert out.returncode == 2
     assert out.stderr.splitlines()[-1] == (f"error: trainer.resume_from_path={path} {what} "
                                            "(<run dir>/checkpoints/global_step_K)")
     assert "workers:" not in out.stdout and not run.exists()  # no Ray, no config.json or provenance.json
 
 
-def test_unwritable_run_directory_is_one_line(tmp_path):
+def test_unwritable_run_directory_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     run = tmp_path / "file" / "run"  # a path through a file: uncreatable, even for root
-    out = run_main(["--config", TINY["gspo"], f"trainer.default_local_dir={run}"], timeout=FAILS_EARLY_S)
+    out = main_in_process(["--config", TINY["gspo"], f"trainer.default_local_dir={run}"], capsys)
     assert out.returncode == 2
     assert out.stderr.splitlines()[-1] == (f"error: trainer.default_local_dir={run}: cannot write the run directory "
                                            f"(Not a directory: {run}); give a directory this user can write")
