@@ -1,8 +1,10 @@
-"""The rollout engine on transformers' Qwen3-MoE: the CPU engine for tests and the tiny default model.
+"""The rollout engine on transformers' Qwen3-MoE, on the CPU, CUDA or the NPU: the engine for tests,
+the tiny default model, and a GPU machine without vLLM.
 
 It needs nothing but torch and transformers, so the whole RL loop (export, weight sync, rollout,
 log-prob comparison) runs on a laptop or in CI, on the model code the trainer's parity tests use.
-It is not fast: one plain KV-cache decoding loop over a left-padded batch.
+It is not fast: one plain KV-cache decoding loop over a left-padded batch (on an accelerator with
+batched sampling and few host reads, ``_inverse_cdf`` and ``generate``).
 
 Weights arrive in the Hub checkpoint format (one tensor per expert and projection), while
 transformers 5 keeps each layer's experts fused:
