@@ -276,7 +276,7 @@ class HFEngine:
                 lengths = torch.where(going, step + 1, lengths)
                 paused = True
                 break
-            if step + 1 == steps or (step + 1) % look_every == 0:
+            if (step + 1) % look_every == 0:  # after the last step the loop ends anyway
                 if not bool(going.any()):
                     break
                 if on_part is not None:
