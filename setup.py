@@ -26,10 +26,15 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.12",
-    packages=find_packages(include=["loss", "megatron_bridge", "megatron_bridge.*", "recipe", "recipe.*"]),
+    packages=[*find_packages(include=["loss", "megatron_bridge", "megatron_bridge.*", "recipe", "recipe.*"]),
+              "megatron_bridge.shipped_configs"],
+    # configs/ ships inside the package, so an installed copy finds it from any directory
+    # (megatron_bridge/configs.py); a source checkout reads it where it is
+    package_dir={"megatron_bridge.shipped_configs": "configs"},
+    package_data={"megatron_bridge.shipped_configs": ["*/*.yaml"]},
     install_requires=CORE,
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "filelock"],
         # MindSpeed is installed from its git source and vllm-ascend per its version table
         # (README, "Install on Ascend"); torch_npu must match torch 2.7.1.
         "npu": ["torch==2.7.1", "torch_npu==2.7.1"],

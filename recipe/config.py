@@ -37,7 +37,7 @@ from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, PolicyLossSettings, RolloutCo
 from loss.megatron_hook import ActorLossConfig
 from megatron_bridge.runtime.optim import LR_DECAY_STYLES, OptimConfig
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import CONFIGS_DIR
+from megatron_bridge.configs import find_config, shipped
 from megatron_bridge.plan.layout import Layout, layout_from_dict, layout_to_dict, nearest_key
 from megatron_bridge.plan.memory import GIB, hf_engine_bytes
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
@@ -598,18 +598,12 @@ def deep_merge(base: Mapping, top: Mapping) -> dict:
     return out
 
 
-def shipped(kind: str) -> list[str]:
-    """Names of the YAMLs in configs/<kind>/ (kind: recipe, algo, parallel, model)."""
-    return sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(CONFIGS_DIR, kind)) if f.endswith(".yaml"))
-
-
 def resolve_path(kind: str, ref: str) -> str:
     """A config file named by a path (relative to the current directory first) or a shipped name."""
-    shipped_dir = os.path.join(CONFIGS_DIR, kind)
-    for candidate in (ref, os.path.join(shipped_dir, ref), os.path.join(shipped_dir, f"{ref}.yaml")):
-        if os.path.isfile(candidate):
-            return candidate
-    raise ConfigError(f"{kind} {ref!r}: no such file or shipped {kind}; shipped: {', '.join(shipped(kind))}")
+    found = find_config(kind, ref)
+    if found is None:
+        raise ConfigError(f"{kind} {ref!r}: no such file or shipped {kind}; shipped: {', '.join(shipped(kind))}")
+    return found
 
 
 # ---- loading ---------------------------------------------------------------------------------

@@ -8,16 +8,9 @@ import pytest
 import yaml
 
 from megatron_bridge.runtime.optim import OptimConfig
+from megatron_bridge.configs import CONFIGS_DIR, shipped
 from megatron_bridge.errors import ConfigError
-from recipe.config import (
-    CONFIGS_DIR,
-    RecipeConfig,
-    config_from_dict,
-    config_to_dict,
-    load_config,
-    parse_overrides,
-    shipped,
-)
+from recipe.config import RecipeConfig, config_from_dict, config_to_dict, load_config, parse_overrides, resolve_path
 
 TINY = "tiny_gspo"
 BIG = "qwen3_30b_a3b_gspo"
@@ -378,6 +371,22 @@ def test_shipped_recipes_are_the_four_twins_and_the_presets():
     presets = ["tiny_stability", "tiny_stability_offpolicy", "tiny_stability_gap", "tiny_long"]
     assert sorted(shipped("recipe")) == sorted([n for pair in TWINS for n in pair] + presets)
     assert sorted(shipped("algo")) == ["grpo", "gspo"]
+
+
+def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch):
+    """By name or by their path in the repository, wherever the command runs (an installed copy has
+    no configs/ in the current directory); a file there is read first."""
+    monkeypatch.chdir(tmp_path)
+    shipped_file = os.path.join(CONFIGS_DIR, "recipe", "tiny_gspo.yaml")
+    assert resolve_path("recipe", "tiny_gspo") == resolve_path("recipe", "configs/recipe/tiny_gspo.yaml") == shipped_file
+    by_path = load_config("configs/recipe/tiny_gspo.yaml", ["parallel=configs/parallel/tiny_cpu.yaml"])
+    assert dataclasses.replace(by_path, parallel="tiny_cpu") == load_config(TINY)
+    mine = tmp_path / "configs" / "recipe" / "tiny_gspo.yaml"
+    mine.parent.mkdir(parents=True)
+    mine.write_text(open(shipped_file).read().replace("total_training_steps: 50", "total_training_steps: 7"))
+    assert load_config("configs/recipe/tiny_gspo.yaml").trainer.total_training_steps == 7
+    with pytest.raises(ConfigError, match="recipe 'tiny_gpso': no such file or shipped recipe; shipped: .*tiny_gspo"):
+        resolve_path("recipe", "tiny_gpso")
 
 
 @pytest.mark.parametrize("gspo, grpo", TWINS)

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import yaml
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import CONFIGS_DIR
+from megatron_bridge.configs import CONFIGS_DIR, find_config, shipped
 from megatron_bridge.plan.platforms import PLATFORMS
 
 NPU_KINDS = ("a2", "a3")
@@ -268,20 +268,15 @@ def layout_from_dict(data: Mapping[str, Any], name: str) -> Layout:
     return layout
 
 
-def layout_dir() -> str:
-    return os.path.join(CONFIGS_DIR, "parallel")
-
-
 def shipped_layouts() -> list[str]:
-    return sorted(os.path.join(layout_dir(), f) for f in os.listdir(layout_dir()) if f.endswith(".yaml"))
+    return [os.path.join(CONFIGS_DIR, "parallel", f"{name}.yaml") for name in shipped("parallel")]
 
 
 def load_layout(path: str) -> Layout:
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(layout_dir(), f"{path}.yaml")):
-        path = os.path.join(layout_dir(), f"{path}.yaml")
-    if not os.path.isfile(path):
-        names = ", ".join(os.path.basename(p)[:-5] for p in shipped_layouts())
-        raise ConfigError(f"parallel layout {path!r}: no such file; shipped layouts: {names}")
+    found = find_config("parallel", path)
+    if found is None:
+        raise ConfigError(f"parallel layout {path!r}: no such file; shipped layouts: {', '.join(shipped('parallel'))}")
+    path = found
     with open(path) as f:
         try:
             data = yaml.safe_load(f) or {}

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import CONFIGS_DIR
+from megatron_bridge.configs import find_config, shipped
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 
@@ -129,35 +129,22 @@ def spec_from_hf_dict(cfg: Mapping[str, Any], name: str, source: str) -> ModelSp
     )
 
 
-def model_config_dir() -> str:
-    return os.path.join(CONFIGS_DIR, "model")
-
-
-def shipped_models() -> list[str]:
-    return sorted(f[:-5] for f in os.listdir(model_config_dir()) if f.endswith(".yaml"))
-
-
 def load_hf_config(path: str) -> dict[str, Any]:
     """The raw HF-style config dict from a model directory, a config.json, a model YAML or a
     shipped model name (``qwen3_30b_a3b``)."""
-    candidates = [path]
-    if os.path.isdir(path):
-        candidates = [os.path.join(path, "config.json")]
-    elif not os.path.exists(path):
-        candidates.append(os.path.join(model_config_dir(), f"{path}.yaml"))
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            with open(candidate) as f:
-                try:
-                    data = json.load(f) if candidate.endswith(".json") else yaml.safe_load(f)
-                except (json.JSONDecodeError, yaml.YAMLError) as e:
-                    raise ConfigError(f"{candidate}: not valid {'JSON' if candidate.endswith('.json') else 'YAML'}: {e}") from e
-            if not isinstance(data, dict):
-                raise ConfigError(f"{candidate}: expected a mapping of config keys")
-            return data
+    candidate = os.path.join(path, "config.json") if os.path.isdir(path) else find_config("model", path)
+    if candidate is not None and os.path.isfile(candidate):
+        with open(candidate) as f:
+            try:
+                data = json.load(f) if candidate.endswith(".json") else yaml.safe_load(f)
+            except (json.JSONDecodeError, yaml.YAMLError) as e:
+                raise ConfigError(f"{candidate}: not valid {'JSON' if candidate.endswith('.json') else 'YAML'}: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{candidate}: expected a mapping of config keys")
+        return data
     raise ConfigError(
         f"model {path!r}: no such directory with config.json, file, or shipped model; "
-        f"shipped models: {', '.join(shipped_models())}"
+        f"shipped models: {', '.join(shipped('model'))}"
     )
 
 
