@@ -64,7 +64,8 @@ def block_name(args: argparse.Namespace) -> str:
 
 
 def variant_command(args: argparse.Namespace, variant: str, run_dir: Path) -> list[str]:
-    from recipe.compare.runs import read_training_pool, variant_overrides
+    from recipe.compare.runs import read_training_pool
+    from recipe.compare.variants import variant_overrides
 
     name, *own = variant.split("+")
     overrides = variant_overrides(name, read_training_pool(args.config, args.overrides))

@@ -42,7 +42,7 @@ from recipe.compare.report import Plot, Run, cell, markdown_table, metric_figure
 from recipe.config import BUILTIN_TINY, ActorRolloutRefConfig, DataConfig, ModelConfig, RecipeConfig, config_from_dict
 from recipe.data.dataset import DataError, PromptDataset, PromptSample
 from recipe.driver.checkpoint import ACTOR_DIR, CHECKPOINT_PREFIX, HF_DIR, PROVENANCE_FILE, checkpoints
-from recipe.model_merger import MergeError, actor_dir, merge
+from recipe.model_merger import actor_dir, merge
 from recipe.reward import OverlongConfig, RewardOutput, answer_extractor, make_reward_fn, score_responses
 from recipe.rollout.base import RolloutEngine, SamplingParams
 from recipe.tracking.loggers import progress_bar
@@ -413,6 +413,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, CheckpointMismatchError
+    from megatron_bridge.weights.hf_export import HFExportError
     from recipe.main import run_reporting
 
     args = parse_args(argv)
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             plot(results, args.out / PLOT_FILE)
         print(table + f"results: {args.out / RESULTS_FILE}")
 
-    return run_reporting(body, (EvalError, MergeError, CheckpointFilesError, CheckpointMismatchError, DataError))
+    return run_reporting(body, (EvalError, HFExportError, CheckpointFilesError, CheckpointMismatchError, DataError))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ import pytest
 
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
-from recipe.compare.runs import (VARIANT_FILE, _seeds, finished, plan_runs, read_training_pool, run_comparison,
-                                 variant_overrides)
+from recipe.compare.runs import _seeds, finished, plan_runs, read_training_pool, run_comparison
+from recipe.compare.variants import VARIANT_FILE, variant_overrides
 from recipe.tracking.loggers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,7 +205,7 @@ def test_stability_presets_set_their_trigger():
 def test_the_stability_presets_run_in_a_comparison(tmp_path):
     """Both trigger presets end to end in recipe.compare, 2 steps each: under the gap preset the
     engine's bf16 policy differs from the trainer's at every step (the fp32 ceilings of
-    tests/test_recipe_e2e.py are 1e-5 mean probability gap and 1e-6 k3 KL; bf16 measured 2e-4 and
+    tests/test_recipe_learning.py are 1e-5 mean probability gap and 1e-6 k3 KL; bf16 measured 2e-4 and
     2e-5 at least); under the off-policy preset, at matching precision, it does not."""
     short = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",
              "trainer.val_before_train=false"]

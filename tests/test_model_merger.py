@@ -61,7 +61,7 @@ def exported(tmp_path_factory):
     (``global_step_1/actor`` with ``huggingface/``), then loaded and checkpointed again under PP2
     and under TP2 with sequence parallel; all exported. The first export runs the command line,
     the others the function."""
-    from recipe.driver.checkpoint import copy_hf_files
+    from megatron_bridge.weights.hf_export import copy_hf_files
     from recipe.model_merger import merge
 
     tmp = tmp_path_factory.mktemp("merge")

@@ -87,6 +87,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from megatron_bridge.errors import ConfigError
+from recipe.compare.variants import VARIANT_FILE, variant_keys
 from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
 SCORE = "critic/score/mean"
@@ -99,7 +100,6 @@ K3_KL = "rollout_corr/k3_kl"
 STEP_TIME = "timing_s/step"
 STALENESS = "async/staleness_mean"
 STALENESS_MAX = "async/staleness_max"
-VARIANT_FILE = "variant.json"
 CONFIG_FILE = "config.json"
 PROVENANCE_FILE = "provenance.json"  # the trainer's record of the run's start (recipe.driver.checkpoint)
 PROMPT_HASH = "data/prompt_hash"
@@ -572,11 +572,9 @@ def _shorten(text: str, width: int = 60) -> str:
 
 
 def _named_by(variant: str) -> set[str]:
-    """The config keys variant ``variant``'s name sets (``recipe.compare.runs``): the algorithm and its
+    """The config keys variant ``variant``'s name sets (``recipe.compare.variants``): the algorithm and its
     loss mode, and each part's overrides (an async part's rollout pool too). A name that is not a
     variant of ``recipe.compare`` (a report on other run directories) is taken to set all of them."""
-    from recipe.compare.runs import variant_keys
-
     try:
         keys = variant_keys(variant)
     except ConfigError:
@@ -584,9 +582,9 @@ def _named_by(variant: str) -> set[str]:
     return keys | {"actor_rollout_ref.actor.policy_loss.loss_mode"}
 
 
-def _explained(values: dict[str, set[str]], variant_keys: dict[str, set[str]], key: str) -> bool:
+def _explained(values: dict[str, set[str]], named_keys: dict[str, set[str]], key: str) -> bool:
     """A key's differences are the variants' own when the variants whose names do not set it agree on it."""
-    unnamed = {value for variant, held in values.items() if key not in variant_keys[variant] for value in held}
+    unnamed = {value for variant, held in values.items() if key not in named_keys[variant] for value in held}
     return len(unnamed) <= 1
 
 
@@ -599,11 +597,11 @@ def confounds(groups: dict[str, list[Run]]) -> list[str]:
     if any(run.config is None for run in runs) or len(groups) < 2:
         return [f"Not checked: {'a run has no ' + CONFIG_FILE if len(groups) > 1 else 'one variant only'}."]
     flat = {variant: [_flatten(run.config) for run in group] for variant, group in groups.items()}
-    variant_keys = {variant: _named_by(variant) for variant in groups}
+    named_keys = {variant: _named_by(variant) for variant in groups}
     keys = sorted({key for configs in flat.values() for values in configs for key in values} - set(RUN_IDENTITY))
     values = {key: {variant: {v.get(key, MISSING) for v in configs} for variant, configs in flat.items()} for key in keys}
     differing = [key for key in keys if len(set().union(*values[key].values())) > 1
-                 and not _explained(values[key], variant_keys, key)]
+                 and not _explained(values[key], named_keys, key)]
     if not differing:
         return ["The variants differ only in what their names say (the algorithm and its loss, replay, "
                 "rollout correction, asynchronous mode)."]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.weights.dist_checkpoint import damage as actor_damage
+from megatron_bridge.weights.hf_export import copy_hf_files, export_hf
 from recipe.config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ HF_DIR = "huggingface"
 CHECKPOINT_PREFIX = "global_step_"
 PROVENANCE_FILE = "provenance.json"
 TRAINER_STATE = "trainer_state.json"
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
 def step_dirs(directory: Path) -> list[Path]:
@@ -155,11 +155,9 @@ def finish_save(workers: WorkerGroup, tmp: Path, keep: int, hf_model_from: str |
     ``keep`` are removed (0: none). With ``hf_model_from`` (the base model's directory: config and
     tokenizer), the checkpoint's weights are exported into ``actor/huggingface/`` first, as
     ``recipe.model_merger`` would (verl's ``checkpoint.save_contents`` with ``hf_model``)."""
-    from recipe.model_merger import merge  # it reads this module's layout
-
     workers.call("finish_save", phase="checkpoint save")
     if hf_model_from is not None:
-        merge(tmp / ACTOR_DIR, tmp / ACTOR_DIR / HF_DIR, Path(hf_model_from), overwrite=True)
+        export_hf(tmp / ACTOR_DIR, tmp / ACTOR_DIR / HF_DIR, Path(hf_model_from), overwrite=True)
     final = tmp.parent / tmp.name[1 : -len(".tmp")]
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
@@ -171,14 +169,6 @@ def finish_save(workers: WorkerGroup, tmp: Path, keep: int, hf_model_from: str |
 def disk_bytes(checkpoint: Path) -> int:
     """What a checkpoint occupies on disk: the bytes its files hold."""
     return sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
-
-
-def copy_hf_files(model_dir: Path, target: Path) -> None:
-    """Everything of a HF model directory but its weights: config, generation config, tokenizer."""
-    target.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copy2(f, target / f.name)
 
 
 def record_provenance(run_dir: Path, workers: WorkerGroup, model_dir: str, trainer_seed: int, data_seed: int,
