@@ -1,5 +1,10 @@
-"""Policy-loss library for RL post-training: loss aggregation, PPO/GSPO policy losses, KL penalties, entropy,
-train-rollout mismatch metrics and rollout correction.
+"""Policy-loss library for RL post-training: the policy losses (``vanilla``: PPO/GRPO clip;
+``gspo``: GSPO and its token form) with their shared pieces (``surrogate``), the registry of
+losses by name (``registry``) and the entry point that checks the inputs and calls one
+(``policy``), loss aggregation (``aggregation``), KL penalties (``kl``), entropy (``entropy``),
+train-rollout mismatch metrics and rollout correction (``rollout_correction``), and the Megatron
+loss hook (``megatron_hook``, with the chunked vocab-parallel log-probs and entropy of
+``vocab_parallel``).
 
 Importing the package registers the built-in policy losses ``vanilla``,
 ``gspo`` and ``gspo_token``; add more with ``@register_policy_loss(name)``.

@@ -7,7 +7,9 @@
 - ``weights``: HF checkpoints read into TP/PP/EP shards and the shards streamed back out with Hub
   names for the rollout engine;
 - ``moe``: expert routing: capture, replay and the drift between two routings;
-- ``verify`` (command) and ``tiny_model``: checks and the tiny model that span the rooms.
+- what spans the rooms: the ``verify`` command (a HF checkpoint in a layout against transformers),
+  the tiny model (``tiny_model``), where the shipped YAMLs live (``configs``) and the errors that
+  name the input and the fix (``errors``).
 
 Importing this package does not import megatron (the platform must be chosen first).
 """

@@ -1,12 +1,14 @@
 """The RL loop, one room per concern:
 
 - ``config`` (with ``verl_compat``: verl's key spellings): the one typed, checked recipe config;
-- ``data``: prompt files and the built-in tiny task;
+- ``data``: prompt files and the built-in tiny tasks;
 - ``reward``: rule rewards and user reward functions;
 - ``rollout``: the rollout engines behind one interface, their registry, the weight sync;
-- ``workers``: one Ray actor per device, composed of an actor role and a rollout role;
+- ``workers``: one Ray actor per device, composed of an actor role and a rollout role, or apart;
 - ``driver``: the trainer (one RL step, read top to bottom) and its helpers;
 - ``tracking``: metrics and loggers;
 - ``compare``: runs of GRPO / GSPO variants and their stability report;
-- entry points: ``main`` (``main_gspo``, ``main_grpo``), ``compare``, ``cluster`` (the launchers' helper).
+- entry points: ``main`` (``main_gspo``, ``main_grpo``), ``compare``, ``evaluate`` (a model,
+  checkpoint or run scored on prompt files), ``model_merger`` (a checkpoint exported as a HF
+  model), ``cluster`` (the launchers' helper).
 """

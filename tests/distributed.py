@@ -39,3 +39,20 @@ def run_ranks(fn, world_size: int, tmp_path, *args, platform_name: str = "cpu") 
     mp.spawn(_entry, args=(world_size, free_port(), str(tmp_path), platform_name, fn, args), nprocs=world_size,
              join=True)
     return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def reset_parallel_state() -> None:
+    """Drop megatron's groups, and the torch process groups behind them (only the default group
+    is ours), so the next layout starts from nothing in the same ranks (spawning ranks costs more
+    than a layout)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    # 0.12.1's destroy_model_parallel leaves these; initialize_model_parallel sets them only on
+    # the ranks of the (position) embedding group, so a stale list would put a rank in a group
+    # it has no handle of.
+    ps._EMBEDDING_GLOBAL_RANKS = ps._POSITION_EMBEDDING_GLOBAL_RANKS = None
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)

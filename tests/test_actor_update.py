@@ -13,7 +13,7 @@ import torch
 from loss import PolicyLossSettings
 from loss.megatron_hook import ActorLossConfig
 from megatron_bridge.plan.layout import TrainParallel
-from tests.distributed import run_ranks
+from tests.distributed import reset_parallel_state, run_ranks
 from tests.numerics import forward_terms, rounding
 from megatron_bridge.tiny_model import save_tiny_checkpoint as save_checkpoint
 from megatron_bridge.verify import reference
@@ -92,6 +92,16 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_to
         metrics["max_grad"] = max_grad(actor)
         metrics["finite"] = all(bool(torch.isfinite(v).all()) for v in after.values())
         results[name] = metrics
+    return results
+
+
+def _updates(rank, world_size, checkpoint, splits, batch, out_dir, loss_names):
+    """``_update`` for each split, megatron's parallel state built again between them."""
+    results = {}
+    for split, (train_kwargs, micro, max_tokens) in splits.items():
+        results[split] = _update(rank, world_size, checkpoint, train_kwargs, micro, max_tokens, batch,
+                                 f"{out_dir}/{split}", loss_names)
+        reset_parallel_state()
     return results
 
 
@@ -206,13 +216,16 @@ SPLITS = {  # name: (ranks, layout, micro-batch rows, token budget)
 
 @pytest.fixture(scope="module")
 def updates(setup, tmp_path_factory):
+    """Every split's update, the splits of one world size in one set of ranks (``_updates``)."""
     checkpoint, batch = setup
     out = {}
-    for split, (world, train_kwargs, micro, max_tokens) in SPLITS.items():
-        tmp = tmp_path_factory.mktemp(split)
-        results = run_ranks(_update, world, tmp, checkpoint, train_kwargs, micro, max_tokens, batch, str(tmp / "w"),
-                            list(LOSSES))
-        out[split] = (results, {name: assemble(str(tmp / "w"), name, world) for name in LOSSES})
+    for world in sorted({world for world, *_ in SPLITS.values()}):
+        splits = {split: rest for split, (w, *rest) in SPLITS.items() if w == world}
+        tmp = tmp_path_factory.mktemp(f"world{world}")
+        results = run_ranks(_updates, world, tmp, checkpoint, splits, batch, str(tmp), list(LOSSES))
+        for split in splits:
+            out[split] = ([rank[split] for rank in results],
+                          {name: assemble(str(tmp / split), name, world) for name in LOSSES})
     return out
 
 

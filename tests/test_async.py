@@ -21,7 +21,7 @@ from recipe.driver.dispatch import PendingRollout, Rollout
 from recipe.driver.trainer import prompt_hash
 from recipe.tracking.loggers import read_jsonl
 from tests.distributed import free_port, run_ranks
-from tests.test_recipe_e2e import TINY, VOLATILE, _trainer
+from tests.recipe_runs import TINY, VOLATILE, start_trainer
 
 ONE_STEP_OFF = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
                 "actor_rollout_ref.rollout.n_gpus_per_node=2"]
@@ -545,7 +545,7 @@ def one_step_off_run(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     ray.shutdown()
-    trainer = _trainer(tmp_path_factory.mktemp("runs"), "one_step_off", ONE_STEP_OFF + ["trainer.total_training_steps=3"])
+    trainer = start_trainer(tmp_path_factory.mktemp("runs"), "one_step_off", ONE_STEP_OFF + ["trainer.total_training_steps=3"])
     try:
         assert trainer.rollout_workers.world_size == 2 and trainer.workers.world_size == 2
         # the rollout ranks' torch.distributed world of their own (vLLM's external launcher runs in it)
@@ -567,7 +567,7 @@ def test_one_step_off_runs_a_step_ahead_and_step_one_is_the_sync_run(tmp_path, f
     processes, hold exactly the weights the colocated engines got in-process: the same greedy
     tokens and bit-equal log-probs. Steps 2 and 3 train on batches one version old."""
     both = ["algorithm.rollout_correction.rollout_is=token"]  # the sync run with one_step_off's default
-    sync = _trainer(tmp_path, "sync", both)
+    sync = start_trainer(tmp_path, "sync", both)
     try:
         expected, tokens, log_probs = _after_step_one(sync)
     finally:
@@ -601,7 +601,7 @@ def test_fully_async_pushing_every_step_with_one_batch_ahead_is_one_step_off(tmp
     """trigger_parameter_sync_step=1 and staleness_threshold=1 (K = 0 + floor(1 x 1) = 1) is one_step_off's
     schedule: the same batches made under the same versions, so three steps log the same numbers."""
     one_batch_ahead = ["async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1"]
-    trainer = _trainer(tmp_path, "fully_async", FULLY_ASYNC + one_batch_ahead + ["trainer.total_training_steps=3"])
+    trainer = start_trainer(tmp_path, "fully_async", FULLY_ASYNC + one_batch_ahead + ["trainer.total_training_steps=3"])
     try:
         fully_async = [trainer.train_step(step) for step in (1, 2, 3)]
     finally:
@@ -622,7 +622,7 @@ def test_r3_one_step_off_replays_the_routes_chosen_at_generation_time(tmp_path, 
     overrides them with the generation-time routes."""
     r3 = ["actor_rollout_ref.actor.megatron.router_replay.mode=R3",
           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
-    trainer = _trainer(tmp_path, "r3", [*ONE_STEP_OFF, *r3, "trainer.total_training_steps=2"])
+    trainer = start_trainer(tmp_path, "r3", [*ONE_STEP_OFF, *r3, "trainer.total_training_steps=2"])
     try:
         first, second = (trainer.train_step(step) for step in (1, 2))
     finally:
@@ -643,7 +643,7 @@ def test_fully_async_holds_generation_back_to_the_staleness_bound(tmp_path, fres
     sync_every, max_staleness = 2, 2
     run = [*FULLY_ASYNC, f"async_training.trigger_parameter_sync_step={sync_every}",
            "async_training.staleness_threshold=0.5", "trainer.total_training_steps=4", "trainer.test_freq=3"]
-    trainer = _trainer(tmp_path, "bounded", run)
+    trainer = start_trainer(tmp_path, "bounded", run)
     try:
         _plant(trainer.rollout_workers.workers[0], "rollout.run", 1, "slow")
         trainer.fit()
@@ -671,7 +671,7 @@ def test_fully_async_require_batches_trains_each_step_on_two_generation_batches_
     step's tokens are a mix, at most one version behind."""
     run = [*FULLY_ASYNC, "async_training.require_batches=2", "async_training.trigger_parameter_sync_step=1",
            "async_training.staleness_threshold=0.5", "trainer.total_training_steps=3"]
-    trainer = _trainer(tmp_path, "halves", run)
+    trainer = start_trainer(tmp_path, "halves", run)
     try:
         assert trainer.sampler.batch_size == 8  # train_batch_size 16 in two generation batches
         metrics = [trainer.train_step(step) for step in (1, 2, 3)]
@@ -701,7 +701,7 @@ def test_fully_async_partial_rollout_continues_the_batches_in_flight_under_the_p
     run = [*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=2",
            "async_training.partial_rollout=true", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "trainer.total_training_steps=4"]
-    trainer = _trainer(tmp_path, "partial", run)
+    trainer = start_trainer(tmp_path, "partial", run)
     try:
         assert trainer.cfg.async_training.max_staleness == 2
         _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.5)
@@ -758,7 +758,7 @@ def _failed_run(tmp_path, name: str, overrides: list[str], fault) -> tuple[int, 
     from recipe.main import run_reporting
 
     def body():
-        trainer = _trainer(tmp_path, name, overrides)
+        trainer = start_trainer(tmp_path, name, overrides)
         try:
             fault(trainer)
             trainer.fit()
@@ -789,7 +789,7 @@ def test_a_rollout_rank_that_dies_in_generation_is_named_and_the_run_resumes(tmp
                         message[0]), message
     checkpoint = tmp_path / "dies" / "checkpoints" / "global_step_1"
     assert message[1:] == [f"  (in step 2; last completed step: 1; a re-run resumes from {checkpoint} (step 1))"]
-    resumed = _trainer(tmp_path, "dies", run)
+    resumed = start_trainer(tmp_path, "dies", run)
     try:
         assert resumed.step == 1
         resumed.fit()

@@ -60,15 +60,10 @@ def test_answers_are_what_the_built_in_rewards_compare():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """3 steps of the tiny GSPO recipe, validating (greedy) before training and at steps 2 and 3,
-    checkpoints at steps 2 and 3."""
-    run = tmp_path_factory.mktemp("evaluate") / "run"
-    out = subprocess.run([sys.executable, "-m", "recipe.main", "--config", "configs/recipe/tiny_gspo.yaml",
-                          "trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=2",
-                          f"trainer.default_local_dir={run}"], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return run
+def run_dir(main_job) -> Path:
+    """The README's main job (tests/conftest.py): validation (greedy) before training and every 10
+    steps, checkpoints at steps 20, 40 and 50, the last two kept."""
+    return main_job[0]
 
 
 @pytest.mark.slow
@@ -76,10 +71,10 @@ def test_a_run_is_evaluated_at_every_checkpoint_as_its_trainer_validated(run_dir
     out = evaluate("--model", str(run_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((run_dir / "eval" / "results.json").read_text())
-    assert [(m["label"], m["step"]) for m in results["models"]] == [("base", 0), ("global_step_2", 2),
-                                                                     ("global_step_3", 3)]
+    assert [(m["label"], m["step"]) for m in results["models"]] == [("base", 0), ("global_step_40", 40),
+                                                                     ("global_step_50", 50)]
     logged = {m["step"]: m for m in read_jsonl(str(run_dir / "metrics.jsonl")) if "val/acc/mean" in m}
-    assert sorted(logged) == [0, 2, 3]
+    assert sorted(logged) == [0, 10, 20, 30, 40, 50]
     for model in results["models"]:
         assert set(model["results"]) == {"math_dapo"}
         row = model["results"]["math_dapo"]
@@ -90,13 +85,13 @@ def test_a_run_is_evaluated_at_every_checkpoint_as_its_trainer_validated(run_dir
         assert row["mean@1"] == row["greedy_score"] and row["pass@1"] == row["greedy_acc"]  # n=1 is greedy
     assert (run_dir / "eval" / "score.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (run_dir / "eval" / "results.md").read_text()
-    assert "| global_step_3 | 3 | math_dapo |" in table and table in out.stdout
+    assert "| global_step_50 | 50 | math_dapo |" in table and table in out.stdout
     assert not list((run_dir / "eval").glob(".*"))  # no temporary files or exports left
 
 
 @pytest.mark.slow
 def test_a_checkpoint_with_samples(run_dir, tmp_path):
-    out = evaluate("--model", str(run_dir / "checkpoints" / "global_step_3"), "--data", "builtin:tiny", "--n", "2",
+    out = evaluate("--model", str(run_dir / "checkpoints" / "global_step_50"), "--data", "builtin:tiny", "--n", "2",
                    "--out", str(tmp_path / "eval"))
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
@@ -106,7 +101,7 @@ def test_a_checkpoint_with_samples(run_dir, tmp_path):
     assert set(row) == {"prompts", "mean@2", "pass@1", "pass@2", "maj@1", "maj@2", "greedy_acc", "greedy_score"}
     assert row["pass@1"] <= row["pass@2"] and row["maj@1"] == row["pass@1"]  # every tiny response has an answer
     logged = {m["step"]: m for m in read_jsonl(str(run_dir / "metrics.jsonl"))}
-    assert row["greedy_acc"] == logged[3]["val/acc/mean"]
+    assert row["greedy_acc"] == logged[50]["val/acc/mean"]
     assert not (tmp_path / "eval" / "score.png").exists()  # one model: nothing to plot against steps
 
 
@@ -156,7 +151,7 @@ def test_out_dir_not_writable(hf_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_damaged_checkpoint(run_dir, tmp_path):
-    damaged = tmp_path / "global_step_3"
-    shutil.copytree(run_dir / "checkpoints" / "global_step_3", damaged)
+    damaged = tmp_path / "global_step_50"
+    shutil.copytree(run_dir / "checkpoints" / "global_step_50", damaged)
     (damaged / "actor" / "common.pt").unlink()
     _refused(evaluate("--model", str(damaged), "--out", str(tmp_path / "eval")), str(damaged), "common.pt")

@@ -22,7 +22,7 @@ ONE_GPU = ["--config", "configs/recipe/tiny_gspo.yaml", "trainer.device=cuda", "
            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"]
 STEPS = 20
 # The issue that brought the engine to CUDA measured -0.84 -> +0.80 over these 20 steps on an H100;
-# the CPU's 50-step job rises by more than 1.3 (tests/test_recipe_e2e.py RISE_MARGIN is 0.3 there too).
+# the CPU's 50-step job rises by more than 1.3 (tests/test_recipe_learning.py RISE_MARGIN is 0.3 there too).
 RISE_MARGIN = 0.3
 
 

@@ -26,7 +26,7 @@ import yaml
 from recipe.config import load_config
 from recipe.tracking.loggers import read_jsonl
 from tests.distributed import free_port
-from tests.test_recipe_e2e import assert_same_step
+from tests.recipe_runs import assert_same_step
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").glob("*.sh"))

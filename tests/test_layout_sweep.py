@@ -19,7 +19,7 @@ from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainP
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.plan.validate import divisors, validate
 from megatron_bridge.tiny_model import save_tiny_checkpoint
-from tests.distributed import run_ranks
+from tests.distributed import reset_parallel_state, run_ranks
 from tests.numerics import log_prob_tolerance
 from tests.test_actor_update import LOSSES, make_batch, max_grad, tolerances
 
@@ -103,22 +103,6 @@ def test_the_sweep_enumerates_every_setting_and_drops_what_megatron_breaks_on():
 # ---- every accepted layout runs (slow) -----------------------------------------------------
 
 
-def _reset_parallel_state() -> None:
-    """Drop megatron's groups, and the torch process groups behind them (only the default group
-    is ours), so the next layout starts from nothing."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    # 0.12.1's destroy_model_parallel leaves these; initialize_model_parallel sets them only on
-    # the ranks of the (position) embedding group, so a stale list would put a rank in a group
-    # it has no handle of.
-    ps._EMBEDDING_GLOBAL_RANKS = ps._POSITION_EMBEDDING_GLOBAL_RANKS = None
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(group)
-
-
 def _run_layout(train: TrainParallel, checkpoint: str, batch: dict, reference) -> dict:
     from functools import partial
 
@@ -154,7 +138,7 @@ def _sweep(rank, world_size, layouts, checkpoint, batch, reference):
             results[name(train)] = _run_layout(train, checkpoint, batch, reference)
         except Exception as e:  # name the layout; the other ranks fail with it in their collectives
             raise RuntimeError(f"layout {name(train)} on {world_size} ranks: {e}") from e
-        _reset_parallel_state()
+        reset_parallel_state()
     return results
 
 

@@ -16,7 +16,7 @@ from megatron_bridge.runtime.offload import KINDS
 from megatron_bridge.tiny_model import save_tiny_checkpoint
 from tests.distributed import run_ranks
 from tests.test_actor_update import LOSSES, make_batch
-from tests.test_recipe_e2e import _trainer, local_ray, stable  # noqa: F401 (local_ray: a fixture)
+from tests.recipe_runs import stable, start_trainer
 
 FLAGS = list(itertools.product((False, True), repeat=3))  # (params, grads, optimizer)
 LAYOUTS = {
@@ -214,7 +214,7 @@ def test_recipe_trains_the_same_with_offload(tmp_path, local_ray):
     runs = {}
     for name, on in (("kept", "false"), ("offloaded", "true")):
         flags = [f"actor_rollout_ref.actor.megatron.{k}_offload={on}" for k in ("param", "grad", "optimizer")]
-        trainer = _trainer(tmp_path, name, [*flags, "actor_rollout_ref.actor.use_kl_loss=true"])
+        trainer = start_trainer(tmp_path, name, [*flags, "actor_rollout_ref.actor.use_kl_loss=true"])
         try:
             first = trainer.train_step(1)
             trainer.validate()

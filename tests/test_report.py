@@ -7,6 +7,7 @@ import stat
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from matplotlib.collections import PathCollection
@@ -20,6 +21,8 @@ CLIP, DRIFT, DIFF, TIME = ("actor/pg_clipfrac", "moe/routing_drift/slot_frac", "
                            "timing_s/step")
 LAYERS = 3
 COLLAPSE_STEP = 17  # grpo seed 0: the score falls to -1 from step 16, the grad norm spikes at 17
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _write_run(path, records, variant=None, seed=None, config=None):
@@ -408,7 +411,7 @@ def test_report_only_command_exit_codes(tmp_path, capsys):
     assert "--window" in capsys.readouterr().err
     assert compare.main([run]) == 2 and "--out REPORT_DIR" in capsys.readouterr().err
     done = subprocess.run([sys.executable, "-m", "recipe.compare", run, "--out", str(tmp_path / "cli")],
-                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(report.__file__)))
+                          capture_output=True, text=True, cwd=REPO)  # the checkout, installed or not
     assert done.returncode == 0 and "report:" in done.stdout and (tmp_path / "cli" / "summary.json").is_file()
 
 

@@ -1,6 +1,6 @@
 """The driver's signal handling without Ray (``recipe.driver.signals``): which signal stops when, the
 grace period for a checkpoint on SIGTERM, and the exit status. The whole driver under signals: the
-signal tests in test_recipe_e2e.py."""
+signal tests in test_recipe_stops.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Planning a layout before a single process starts: model shapes (``model_spec``), layouts
-(``layout``), what each platform is (``platforms``), pipeline stages, the validator, memory and MC2
-estimates, a layout's verdict (``verdict``), the search for layouts (``search``) and the ``plan``
-command (``cli``). Nothing here imports megatron."""
+(``layout``), what each platform is (``platforms``), pipeline stages (``stages``), the validator
+(``validate``), memory estimates (``memory``) and the rollout's MC2 facts (``mc2``), a layout's
+verdict (``verdict``), the search for layouts (``search``) and the ``plan`` command (``cli``,
+``__main__``). Nothing here imports megatron."""

@@ -1,5 +1,7 @@
-"""Rollout engines behind one interface (``recipe.rollout.base``): vLLM / vLLM-Ascend, and
-transformers on every platform; the weight sync from the actor (``sync``).
+"""Rollout engines behind one interface (``recipe.rollout.base``): vLLM / vLLM-Ascend
+(``vllm_engine``, with ``vllm_setup`` and ``vllm_weights``) and transformers on every platform
+(``hf_engine``); partial rollout (``partial``); the weight sync from the actor into a colocated
+engine (``sync``) and to a rollout pool of its own (``broadcast``).
 
 ``ENGINES`` is what the config and the workers read: the names ``actor_rollout_ref.rollout.name``
 accepts, the platforms each runs on, how to build one and how its weights are routed; ``auto_engine``
