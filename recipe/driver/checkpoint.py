@@ -139,7 +139,7 @@ def start_save(workers: WorkerGroup, directory: Path, step: int, state: dict, mo
     """The workers write the actor checkpoint into a temporary directory (in the background with
     ``actor.checkpoint.async_save``), beside the base model's config and tokenizer (from
     ``model_dir``) and the driver's ``state``. Returns the temporary directory: ``finish_save``
-    renames it into place once complete, so an unfinished save is never resumed from."""
+    completes it and ``publish`` renames it into place, so an unfinished save is never resumed from."""
     final = directory / f"{CHECKPOINT_PREFIX}{step}"
     tmp = directory / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -150,14 +150,20 @@ def start_save(workers: WorkerGroup, directory: Path, step: int, state: dict, mo
     return tmp
 
 
-def finish_save(workers: WorkerGroup, tmp: Path, keep: int, hf_model_from: str | None = None) -> Path:
-    """Wait for the workers' files, rename the checkpoint into place; checkpoints beyond the last
-    ``keep`` are removed (0: none). With ``hf_model_from`` (the base model's directory: config and
-    tokenizer), the checkpoint's weights are exported into ``actor/huggingface/`` first, as
-    ``recipe.model_merger`` would (verl's ``checkpoint.save_contents`` with ``hf_model``)."""
+def finish_save(workers: WorkerGroup, tmp: Path, hf_model_from: str | None = None) -> Path:
+    """Wait for the workers' files in ``tmp``: complete, not yet in place (``publish``). With
+    ``hf_model_from`` (the base model's directory: config and tokenizer), the checkpoint's weights
+    are exported into ``actor/huggingface/`` first, as ``recipe.model_merger`` would (verl's
+    ``checkpoint.save_contents`` with ``hf_model``)."""
     workers.call("finish_save", phase="checkpoint save")
     if hf_model_from is not None:
         export_hf(tmp / ACTOR_DIR, tmp / ACTOR_DIR / HF_DIR, Path(hf_model_from), overwrite=True)
+    return tmp
+
+
+def publish(tmp: Path, keep: int) -> Path:
+    """Rename the complete checkpoint in ``tmp`` into place, where a re-run resumes from it;
+    checkpoints beyond the last ``keep`` are removed (0: none)."""
     final = tmp.parent / tmp.name[1 : -len(".tmp")]
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)

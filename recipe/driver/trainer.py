@@ -109,6 +109,7 @@ class Trainer:
         # not trained yet: a checkpoint records the one of the step after it (see save_checkpoint)
         self.sampler_before: dict[int, dict] = {}
         self.pending_save: Path | None = None  # a background save's temporary directory
+        self.unpublished: Path | None = None  # this step's complete checkpoint, put in place after its line
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -185,8 +186,9 @@ class Trainer:
                     metrics.update(self.validate())
                 saved = t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps)
                 if saved:
-                    metrics.update(self.save_checkpoint(wait=self.step == self.total_steps))
+                    metrics.update(self.save_checkpoint(wait=self.step == self.total_steps, publish=False))
                 self.tracking.log(metrics, step=self.step)
+                self.publish_checkpoint()
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
                 # a SIGTERM waiting for this step's end stops after a complete checkpoint: this step's own
@@ -378,10 +380,11 @@ class Trainer:
 
     # --- the end -----------------------------------------------------------------------------
 
-    def save_checkpoint(self, wait: bool = True) -> dict[str, float]:
+    def save_checkpoint(self, wait: bool = True, publish: bool = True) -> dict[str, float]:
         """Every worker's shard and the driver's state (``recipe.driver.checkpoint``). With
         ``actor.checkpoint.async_save`` and not ``wait``, the workers write in the background and
-        the checkpoint is renamed into place at the next save (or the run's end). Returns
+        the checkpoint is put in place at the next save (or the run's end). Without ``publish``, a
+        checkpoint completed now waits for ``publish_checkpoint``. Returns
         ``timing_s/save_checkpoint`` (what the loop waited: this save's staging, and the wait for
         the one before) and ``perf/checkpoint_bytes`` of the checkpoint completed now, if one was."""
         timer, done = Timer(), None
@@ -393,16 +396,25 @@ class Trainer:
             state = {"step": self.step, "sampler": sampler, "kl_coef": self.kl_ctrl.value}
             self.pending_save = checkpoint.start_save(self.workers, self.ckpt_dir, self.step, state, self.model_dir)
             if wait or not self.cfg.actor_rollout_ref.actor.checkpoint.async_save:
-                done = self._finish_save()
+                done = self._finish_save(publish)
         return {**timer.timings, **({"perf/checkpoint_bytes": checkpoint.disk_bytes(done)} if done else {})}
 
-    def _finish_save(self) -> Path | None:
+    def _finish_save(self, publish: bool = True) -> Path | None:
         if self.pending_save is None:
             return None
         hf_model = "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents
-        done = checkpoint.finish_save(self.workers, self.pending_save, self.cfg.trainer.max_actor_ckpt_to_keep,
-                                      self.model_dir if hf_model else None)
-        self.pending_save = None
+        done = checkpoint.finish_save(self.workers, self.pending_save, self.model_dir if hf_model else None)
+        self.pending_save, self.unpublished = None, done
+        return self.publish_checkpoint() if publish else done
+
+    def publish_checkpoint(self) -> Path | None:
+        """Put the checkpoint completed at this step in place. The loop does it after the step's
+        metrics line is written: a run killed between the two resumes from the step before and logs
+        this step again, where the other order would resume after a step whose line is lost."""
+        if self.unpublished is None:
+            return None
+        done = checkpoint.publish(self.unpublished, self.cfg.trainer.max_actor_ckpt_to_keep)
+        self.unpublished = None
         return done
 
     def finish(self) -> Path:
