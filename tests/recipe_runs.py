@@ -45,11 +45,11 @@ def stable(m: dict) -> dict:
 
 
 def start_trainer(tmp_path: Path, name: str, overrides: list[str]):
+    """The tiny GSPO recipe's trainer with ``overrides``, started (its workers up) in this process
+    under ``tmp_path / name``: no validation, no checkpoints unless the overrides ask."""
     from recipe.config import load_config
     from recipe.driver.trainer import Trainer
 
-    """The tiny GSPO recipe's trainer with ``overrides``, started (its workers up) in this process
-    under ``tmp_path / name``: no validation, no checkpoints unless the overrides ask."""
     cfg = load_config(str(REPO / TINY["gspo"]), [f"trainer.default_local_dir={tmp_path / name}",
                                                   "trainer.val_before_train=false", "trainer.save_freq=-1",
                                                   "trainer.test_freq=-1", *overrides])

@@ -8,27 +8,19 @@ The asynchronous modes are not run here: a rollout pool of its own takes devices
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from recipe.tracking.loggers import read_jsonl
+from tests.recipe_runs import run_main
 
-REPO = Path(__file__).resolve().parents[1]
 ONE_GPU = ["--config", "configs/recipe/tiny_gspo.yaml", "trainer.device=cuda", "trainer.n_gpus_per_node=1",
            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"]
 STEPS = 20
 # The issue that brought the engine to CUDA measured -0.84 -> +0.80 over these 20 steps on an H100;
 # the CPU's 50-step job rises by more than 1.3 (tests/test_recipe_learning.py RISE_MARGIN is 0.3 there too).
 RISE_MARGIN = 0.3
-
-
-def run_main(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recipe.main", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
 
 
 @pytest.mark.gpu
