@@ -691,22 +691,39 @@ def test_fully_async_require_batches_trains_each_step_on_two_generation_batches_
 
 @pytest.mark.slow
 def test_fully_async_partial_rollout_continues_the_batches_in_flight_under_the_pushed_weights(tmp_path, fresh_ray):
-    """T = 1, K = 2 (staleness_threshold 2) with partial_rollout and R3: rollout rank 0's decoding
-    slowed (0.5 s a token, so that a trainer slowed by other work on the machine still outpaces
-    it), so each push finds two batches in flight on it, one generating and one
-    queued. The push pauses the first and holds the second, the weights go out and both go on under
-    them: steps 2-4 train on batches whose tokens come from several versions (a mean strictly below
-    the max), none more than K behind, K reached, and the routes recorded across the swaps replay
-    (the run completes)."""
+    """T = 1, K = 2 (staleness_threshold 2) with partial_rollout and R3: rollout rank 0 decodes
+    slowly (0.25 s a token) and not at all while the trainer trains (from the moment a step has its
+    batch until a push pauses it), so each push finds two batches in flight on it, one generating
+    and one queued, however slow the trainer. The push pauses the first and holds the second, the
+    weights go out and both go on under them: steps 2-4 train on batches whose tokens come from
+    several versions (a mean strictly below the max), none more than K behind, K reached, and the
+    routes recorded across the swaps replay (the run completes)."""
     run = [*FULLY_ASYNC, "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=2",
            "async_training.partial_rollout=true", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "trainer.total_training_steps=4"]
     trainer = start_trainer(tmp_path, "partial", run)
+    hold = tmp_path / "hold"
     try:
         assert trainer.cfg.async_training.max_staleness == 2
-        _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.5)
+        _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.25)
+        _hold_decoding_while(trainer.rollout_workers.workers[0], hold)
+        schedule = trainer.ahead
+        batch, push = schedule.batch, schedule.push
+
+        def batch_then_hold(step):
+            rollout = batch(step)
+            hold.touch()
+            return rollout
+
+        def push_then_release(step, sync):
+            result = push(step, sync)
+            hold.unlink()
+            return result
+
+        schedule.batch, schedule.push = batch_then_hold, push_then_release
         metrics = [trainer.train_step(step) for step in (1, 2, 3, 4)]
     finally:
+        hold.unlink(missing_ok=True)
         trainer.close()
     assert [m["async/weight_pushes"] for m in metrics] == [1.0] * 4
     assert metrics[0]["async/staleness_max"] == 0.0 and metrics[0]["async/partial_rollout_resumes"] == 0.0
@@ -746,6 +763,27 @@ def _plant(actor, attribute: str, call: int, fault: str, seconds: float = 1.0) -
             return original(*args, **kwargs)
 
         setattr(owner, name, planted)
+
+    ray.get(actor.__ray_call__.remote(plant))
+
+
+def _hold_decoding_while(actor, hold) -> None:
+    """A rollout rank's engine decodes no token while the file ``hold`` exists, unless a pause is
+    asked for: then the token in progress ends and the pause takes the responses so far."""
+    import ray
+
+    def plant(instance):
+        import time
+
+        engine = instance.rollout.engine
+        forward = engine.model.forward
+
+        def held(*args, **kwargs):
+            while hold.exists() and not engine._pause.is_set():
+                time.sleep(0.01)
+            return forward(*args, **kwargs)
+
+        engine.model.forward = held
 
     ray.get(actor.__ray_call__.remote(plant))
 

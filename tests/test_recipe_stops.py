@@ -168,13 +168,29 @@ def test_sigterm_under_a_joined_cluster_leaves_the_cluster_up(tmp_path):
     cluster = uuid.uuid4().hex
     # the head and its clients share Ray's auth token, as the launchers arrange (launch/common.sh)
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex}
+    head_log = open(tmp_path / "head.txt", "w+")
     head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
                              "--disable-usage-stats", "--block"], env={**os.environ, **auth, TAG: cluster},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
     client = {**auth, "RAY_ADDRESS": f"127.0.0.1:{port}"}
     probe = [sys.executable, "-c", "import ray; ray.init(); r = ray.available_resources(); "
              "print(r.get('CPU', 0), ray.cluster_resources()['CPU'])"]
+
+    def free_cpus() -> list[str]:
+        """The cluster's free and total CPUs, as a new client sees them; [] while it cannot connect."""
+        try:
+            return subprocess.run(probe, env={**os.environ, **client}, capture_output=True, text=True,
+                                  timeout=60).stdout.split()
+        except subprocess.TimeoutExpired:
+            return []
+
     try:
+        # the cluster up before the run joins it (on a loaded machine the head takes a while)
+        deadline = time.time() + RUN_S
+        while free_cpus() != ["4.0", "4.0"]:
+            head_log.seek(0)
+            assert head.poll() is None and time.time() < deadline, f"the Ray head did not come up:\n{head_log.read()}"
+            time.sleep(2)
         run = tmp_path / "run"
         code, _, stderr = signalled_run(STEPS + ["trainer.save_freq=1", "trainer.total_training_steps=8",
                                                  f"trainer.default_local_dir={run}"], "step 1 |", [signal.SIGTERM],
@@ -184,12 +200,12 @@ def test_sigterm_under_a_joined_cluster_leaves_the_cluster_up(tmp_path):
                                   f"{run / 'checkpoints' / 'global_step_1'} (step 1)")
         assert head.poll() is None
         deadline = time.time() + 60  # Ray frees a gone driver's resources within seconds
-        while (free := subprocess.run(probe, env={**os.environ, **client}, capture_output=True,
-                                      text=True, timeout=RUN_S).stdout.split()) != ["4.0", "4.0"]:
+        while (free := free_cpus()) != ["4.0", "4.0"]:
             assert time.time() < deadline, free
             time.sleep(2)
     finally:
         head.terminate()
         head.wait(timeout=RUN_S)
+        head_log.close()
         for pid in tagged(cluster):
             os.kill(pid, signal.SIGKILL)

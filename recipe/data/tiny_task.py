@@ -44,18 +44,21 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from megatron_bridge.tiny_model import TINY, tiny_hf_model
 from recipe.config import RecipeConfig, builtin_task
 from recipe.tracking.loggers import progress_bar
+
+if TYPE_CHECKING:  # the modelling code takes seconds to import; a run whose build is cached never needs it
+    from transformers import Qwen3MoeForCausalLM
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
