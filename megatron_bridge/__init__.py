@@ -8,8 +8,8 @@
   names for the rollout engine;
 - ``moe``: expert routing: capture, replay and the drift between two routings;
 - what spans the rooms: the ``verify`` command (a HF checkpoint in a layout against transformers),
-  the tiny model (``tiny_model``), where the shipped YAMLs live (``configs``) and the errors that
-  name the input and the fix (``errors``).
+  the tiny model (``tiny_model``), where the shipped YAMLs live (``configs``), the errors that
+  name the input and the fix (``errors``) and files written whole (``atomic``).
 
 Importing this package does not import megatron (the platform must be chosen first).
 """

@@ -26,8 +26,9 @@ from typing import Sequence
 
 import yaml
 
-from megatron_bridge.errors import ConfigError
+from megatron_bridge.atomic import write_text
 from megatron_bridge.configs import CONFIGS_DIR
+from megatron_bridge.errors import ConfigError
 from recipe.config import builtin_task, deep_merge, parse_overrides, read_yaml
 from recipe.verl_compat import MISSING, get_dotted
 
@@ -165,13 +166,6 @@ def describe_pools(cfg, head_ip: str, node_ips: str) -> list[str]:
                   f"  rollout:  {rollout.nnodes} x {rollout.devices_per_node} {device} on {', '.join(generates)}"]
 
 
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def prepare(args: argparse.Namespace) -> int:
     from megatron_bridge.plan.verdict import print_verdict
     from recipe.config import config_to_dict, layout_verdict, load_config, model_spec, resolve_path
@@ -207,9 +201,9 @@ def prepare(args: argparse.Namespace) -> int:
         raise MissingError(f"{len(problems)} input(s) missing on this node (above); fix the paths or the environment variables")
 
     os.makedirs(args.out_dir, exist_ok=True)
-    _write(os.path.join(args.out_dir, "runtime_env.yaml"), yaml.safe_dump(env, sort_keys=False))
-    _write(os.path.join(args.out_dir, "job_args"), "\n".join(["--config", recipe] + overrides) + "\n")
-    _write(os.path.join(args.out_dir, "config.yaml"), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    write_text(os.path.join(args.out_dir, "runtime_env.yaml"), yaml.safe_dump(env, sort_keys=False))
+    write_text(os.path.join(args.out_dir, "job_args"), "\n".join(["--config", recipe] + overrides) + "\n")
+    write_text(os.path.join(args.out_dir, "config.yaml"), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     pool = cfg.layout.rollout if cfg.layout.separate_rollout else None
     resolved = {
         "NNODES": cluster.nnodes, "NPUS_PER_NODE": cluster.devices_per_node, "DEVICE": cluster.device,
@@ -218,7 +212,7 @@ def prepare(args: argparse.Namespace) -> int:
         "DEVICE_RESOURCE": DEVICE_RESOURCE[cluster.device] or "", "RUN_DIR": run_dir,
         "EXPERIMENT": cfg.trainer.experiment_name, "HCCL_BUFFSIZE_MB": env["env_vars"].get("HCCL_BUFFSIZE", ""),
     }
-    _write(os.path.join(args.out_dir, "cluster.env"),
+    write_text(os.path.join(args.out_dir, "cluster.env"),
            "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in resolved.items()))
     return 0
 

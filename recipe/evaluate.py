@@ -32,12 +32,14 @@ import sys
 import tempfile
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_bridge.atomic import replacing, write_text
+from megatron_bridge.errors import UserError
 from recipe.compare.report import Plot, Run, cell, markdown_table, metric_figure
 from recipe.config import BUILTIN_TINY, ActorRolloutRefConfig, DataConfig, ModelConfig, RecipeConfig, config_from_dict
 from recipe.data.dataset import DataError, PromptDataset, PromptSample
@@ -54,7 +56,7 @@ DEFAULT_BATCH_ROWS = 64  # sequences per engine call
 MODEL_KINDS = "a HF model directory, a checkpoint (<run>/checkpoints/global_step_N) or a run directory"
 
 
-class EvalError(ValueError):
+class EvalError(UserError, ValueError):
     """An unusable argument; the message names it and the fix."""
 
 
@@ -246,25 +248,6 @@ def generate(engine: RolloutEngine, samples: Sequence[PromptSample], n: int, par
 # ---- writing -----------------------------------------------------------------------------------
 
 
-def _write(path: Path, write: Callable[[str], None]) -> None:
-    """``write`` a temporary file beside ``path``, then rename it: a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def check_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -299,7 +282,8 @@ def plot(results: dict, path: Path) -> None:
                                 config=None)]
     figure, _ = metric_figure(Plot(PLOT_FILE, "score", "score"), lines)
     FigureCanvasAgg(figure)
-    _write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=100))
+    with replacing(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -423,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         results = evaluate(args)
         table = markdown(results)
-        _write(args.out / RESULTS_FILE, lambda tmp: Path(tmp).write_text(json.dumps(results, indent=2)))
-        _write(args.out / TABLE_FILE, lambda tmp: Path(tmp).write_text(table))
+        write_text(args.out / RESULTS_FILE, json.dumps(results, indent=2))
+        write_text(args.out / TABLE_FILE, table)
         if results["settings"]["run"] is not None and len(results["models"]) > 1:
             plot(results, args.out / PLOT_FILE)
         print(table + f"results: {args.out / RESULTS_FILE}")

@@ -29,22 +29,17 @@ def parse_args(argv: list[str] | None, algo: str | None) -> argparse.Namespace:
 
 
 def run_reporting(body: Callable[[], object], usage_errors: tuple[type[Exception], ...] = ()) -> int:
-    """Run a command's ``body`` as the commands of this package end: an error in the inputs is one
-    line, no traceback (exit 2 for a config error or one of ``usage_errors``, else 1); a signal
+    """Run a command's ``body`` as the commands of this package end: an error in the inputs (a
+    ``megatron_bridge.errors.UserError``, or the OS refusing a file) is one line, no traceback (exit 2
+    for a config error or one of ``usage_errors``, else 1); a signal
     (``recipe.driver.signals``) is one line saying where a re-run resumes, exit 128 + its number."""
-    from megatron_bridge.errors import ConfigError
-    from recipe.data.dataset import DataError
+    from megatron_bridge.errors import ConfigError, UserError
     from recipe.driver.signals import Stopped
-    from recipe.tracking.loggers import LoggerError
-    from recipe.reward import RewardError
-    from recipe.rollout.broadcast import WeightSyncError
-    from recipe.workers.group import ClusterError, WorkerDiedError, WorkerTimeoutError
 
     usage = (ConfigError, *usage_errors)
     try:
         body()
-    except (*usage, DataError, LoggerError, RewardError, ClusterError, WorkerDiedError, WorkerTimeoutError,
-            WeightSyncError, OSError) as e:
+    except (UserError, *usage, OSError) as e:
         notes = "".join(f"\n  ({n})" for n in getattr(e, "__notes__", []))
         print(f"error: {e}{notes}", file=sys.stderr)
         return 2 if isinstance(e, usage) else 1

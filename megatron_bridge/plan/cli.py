@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import replace
 
 import yaml
 
+from megatron_bridge.atomic import write_text
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import memory
 from megatron_bridge.plan.layout import Cluster, layout_to_dict, load_layout
@@ -177,12 +177,9 @@ def run_search(args) -> int:
         return 1
     if args.write:
         best = replace(verdicts[0].layout, name=args.write)
-        tmp = f"{args.write}.tmp"
-        with open(tmp, "w") as f:  # written whole, then renamed: never a half-written layout
-            f.write(f"# written by: python -m megatron_bridge.plan search --model {args.model} "
-                    f"--nnodes {args.nnodes} --devices-per-node {args.devices_per_node}\n")
-            yaml.safe_dump(layout_to_dict(best), f, sort_keys=False)
-        os.replace(tmp, args.write)
+        write_text(args.write, f"# written by: python -m megatron_bridge.plan search --model {args.model} "
+                               f"--nnodes {args.nnodes} --devices-per-node {args.devices_per_node}\n"
+                               + yaml.safe_dump(layout_to_dict(best), sort_keys=False))
         print(f"wrote {args.write}")
     return 0
 

@@ -9,11 +9,12 @@ micro-batches (``_cover_packed_rope``), with the loop's numbers.
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 from pathlib import Path
 
 import torch
+
+from megatron_bridge.atomic import replacing
 
 _installed = False
 
@@ -74,12 +75,8 @@ def keep_mcore_data(writer_class) -> None:
         if getattr(written, "mcore_data", None) is not None:
             return
         written.mcore_data = mcore_data
-        temporary = path.with_name(path.name + ".tmp")
-        with open(temporary, "wb") as file:
+        with replacing(path, durable=True) as temporary, open(temporary, "wb") as file:
             pickle.dump(written, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
 
     writer_class.finish = finish
 

@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from megatron_bridge.errors import UserError
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.weights.hf_mapping import ShardPlacement, UnknownParameterError, hf_parts, to_hf
 from megatron_bridge.weights.load import hf_shape, hub_tensor_names
@@ -34,11 +35,11 @@ LAYERS = "decoder.layers."
 EXPERTS = LAYERS + "mlp.experts.experts."
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
     pass
 
 
-class CheckpointFilesError(FileNotFoundError):
+class CheckpointFilesError(UserError, FileNotFoundError):
     pass
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_bridge.errors import UserError
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
 from megatron_bridge.weights.dist_checkpoint import DistCheckpoint
 from megatron_bridge.weights.hf_checkpoint import INDEX_FILE
@@ -28,7 +29,7 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
-class HFExportError(ValueError):
+class HFExportError(UserError, ValueError):
     """A base model directory without its config, or a target that is in use; the message names it."""
 
 

@@ -86,7 +86,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from megatron_bridge.errors import ConfigError
+from megatron_bridge.errors import ConfigError, UserError
 from recipe.compare.variants import VARIANT_FILE, variant_keys
 from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
@@ -111,7 +111,7 @@ REPORT_FILE = "report.md"
 MISSING = "–"
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A run directory, metrics file or report parameter that cannot be used; the message names it
     and the fix."""
 

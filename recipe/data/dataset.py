@@ -25,13 +25,14 @@ import pyarrow.parquet as pq
 import torch
 from jinja2 import TemplateError
 
+from megatron_bridge.errors import UserError
 from recipe.tracking.loggers import progress_bar
 
 TRUNCATIONS = ("error", "left", "right")
 _PROGRESS_MIN_ROWS = 1000  # below this, tokenising is quick enough to not need a progress bar
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad prompt data or data settings; the message names the input (file, row, field) and the fix."""
 
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from megatron_bridge.atomic import replacing
 from megatron_bridge.tiny_model import TINY, tiny_hf_model
 from recipe.config import RecipeConfig, builtin_task
 from recipe.tracking.loggers import progress_bar
@@ -234,15 +235,8 @@ def write_parquet(rows: list[dict], path: str | os.PathLike) -> None:
     if not rows:
         raise TinyTaskError(f"write_parquet {os.fspath(path)!r}: no rows to write")
     table = pa.Table.from_pylist(rows)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with replacing(path) as temp:
         pq.write_table(table, temp)
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
 
 
 # -- warm-up -----------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The reward errors: one base class the trainer catches and prints, without a traceback."""
 
+from megatron_bridge.errors import UserError
 
-class RewardError(ValueError):
+
+class RewardError(UserError, ValueError):
     """A sample cannot be scored; the message names the sample or setting and the fix."""
 
 

@@ -37,6 +37,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.errors import UserError
 from megatron_bridge.weights.export import WeightExporter
 
 SENDER = 0  # training rank 0 is rank 0 of the weight group; rollout rank i is rank i + 1
@@ -46,7 +47,7 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 GROUPS = {"gloo": "ProcessGroupGloo", "nccl": "ProcessGroupNCCL", "hccl": "ProcessGroupHCCL"}
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(UserError, RuntimeError):
     """The weight group's transfer failed on this rank: a peer died or did not answer in time."""
 
 

@@ -17,6 +17,9 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from megatron_bridge.atomic import write_text
+from megatron_bridge.errors import UserError
+
 LOGGERS: tuple[str, ...] = ("console", "jsonl", "tensorboard", "swanlab", "wandb")
 METRICS_FILE = "metrics.jsonl"
 
@@ -43,7 +46,7 @@ def progress_bar(iterable: Any = None, **kwargs: Any) -> tqdm:
     return tqdm(iterable, **kwargs)
 
 
-class LoggerError(ValueError):
+class LoggerError(UserError, ValueError):
     """Bad logger configuration, metric value or metrics file; the message names it and the fix."""
 
 
@@ -216,10 +219,7 @@ class Tracking:
         checkpoint), so the resumed run logs each of those steps once."""
         self._jsonl.close()
         kept = [record for record in _parse_jsonl(self.metrics_path) if record["step"] < step]
-        temporary = self.metrics_path + ".tmp"
-        with open(temporary, "w", encoding="utf-8") as file:
-            file.writelines(json.dumps(record) + "\n" for record in kept)
-        os.replace(temporary, self.metrics_path)  # atomic: a kill now leaves the old or the new file
+        write_text(self.metrics_path, "".join(json.dumps(record) + "\n" for record in kept))  # a kill: old or new
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megatron_bridge.errors import ConfigError
+from megatron_bridge.errors import ConfigError, UserError
 from megatron_bridge.plan.layout import Layout
 from recipe.rollout.broadcast import WeightSyncError
 from recipe.workers.colocated import RankInfo, Worker
@@ -45,15 +45,15 @@ def device_options(device: str) -> dict[str, Any]:
     return {"num_gpus": 1} if resource == "GPU" else {"resources": {resource: 1}}
 
 
-class ClusterError(RuntimeError):
+class ClusterError(UserError, RuntimeError):
     """The Ray cluster lacks the nodes or devices the layout needs."""
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(UserError, RuntimeError):
     """A worker process ended (crash, OOM kill, node loss); the run cannot go on without it."""
 
 
-class WorkerTimeoutError(RuntimeError):
+class WorkerTimeoutError(UserError, RuntimeError):
     """Workers did not answer a call within its time limit (hung, or slower than the limit)."""
 
 
