@@ -17,7 +17,8 @@ from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
 from recipe.data.dataset import BatchSampler
 from recipe.driver.async_schedule import AsyncSchedule
-from recipe.driver.dispatch import PendingRollout, Rollout
+from recipe.driver.dispatch import PendingRollout
+from recipe.driver.rollouts import Rollout
 from recipe.driver.trainer import prompt_hash
 from recipe.tracking.loggers import read_jsonl
 from tests.distributed import free_port, run_ranks
@@ -140,7 +141,8 @@ def test_fully_async_bounds_staleness_by_the_sync_interval_and_the_threshold(ove
 
 
 def _response(tokens: int, reason: str) -> Rollout:
-    return Rollout([None], torch.zeros(1), [[0] * tokens], [[0.0] * tokens], [reason])
+    return Rollout(samples=[None], groups=torch.zeros(1), response_ids=[[0] * tokens], log_probs=[[0.0] * tokens],
+                   finish_reasons=[reason])
 
 
 class _Pool:

@@ -1,5 +1,5 @@
 """The driver: the single controller that runs the RL loop (``trainer``) and its helpers: the
-asynchronous modes' schedule (``async_schedule``), the calls to the workers (``dispatch``), the
-step's samples with DAPO's dynamic sampling (``dynamic_sampling``), GRPO advantages and KL in the
+asynchronous modes' schedule (``async_schedule``), the calls to the workers (``dispatch``), one
+generation's samples (``rollouts``: ``Rollout``), the step's samples with DAPO's dynamic sampling (``dynamic_sampling``), GRPO advantages and KL in the
 reward (``advantage``), the step's routing metrics (``routing``), checkpoints, resume and
 provenance (``checkpoint``), and SIGTERM and SIGINT as a clean stop (``signals``)."""

@@ -43,7 +43,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from recipe.driver.dispatch import Dispatch, GenerationRequest, PendingRollout, Rollout
+from recipe.driver.dispatch import Dispatch, GenerationRequest, PendingRollout
+from recipe.driver.rollouts import Rollout
 from recipe.rollout.partial import PAUSED
 from recipe.workers.group import WorkerTimeoutError
 

@@ -21,42 +21,11 @@ from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.runtime.batch import INPUT_IDS, RESPONSE_MASK, ROUTED_EXPERTS
 from recipe.data.dataset import PromptSample
+from recipe.driver.rollouts import Rollout
 from recipe.rollout.base import Generation, SamplingParams
 from recipe.tracking.metrics import mean_metrics
 from recipe.workers.colocated import RankInfo
 from recipe.workers.group import WorkerGroup
-
-
-@dataclass
-class Rollout:
-    """One generation's samples, in global row order (row = prompt index * n + sample)."""
-
-    samples: list[PromptSample]  # per row
-    groups: torch.Tensor  # [N] prompt index within the generation
-    response_ids: list[list[int]]
-    log_probs: list[list[float]]  # the engine's, per response token
-    finish_reasons: list[str]
-    routed_experts: list[torch.Tensor] | None = None  # per row, when the engine reports routing
-    gen_seconds: float = 0.0  # generation as the slowest rollout rank measured it
-    # per row, per response token: the policy version (updates the engines' weights had seen) that made it
-    token_versions: list[list[int]] | None = None
-    resumed_rows: int = 0  # rows paused by a weight push and continued under the new weights
-
-    @classmethod
-    def concat(cls, parts: list[Rollout]) -> Rollout:
-        """Generations one after another as one: rows in order, prompt groups numbered on, the
-        generation seconds added (each rank generates them one after another)."""
-        if len(parts) == 1:
-            return parts[0]
-        offsets = torch.tensor([0, *(int(p.groups.max()) + 1 for p in parts[:-1])]).cumsum(0)
-
-        def joined(field: str) -> list | None:
-            values = [getattr(p, field) for p in parts]
-            return None if any(v is None for v in values) else [x for v in values for x in v]
-
-        return cls(joined("samples"), torch.cat([p.groups + o for p, o in zip(parts, offsets)]), joined("response_ids"),
-                   joined("log_probs"), joined("finish_reasons"), joined("routed_experts"),
-                   sum(p.gen_seconds for p in parts), joined("token_versions"), sum(p.resumed_rows for p in parts))
 
 
 @dataclass
@@ -168,8 +137,9 @@ class Dispatch:
                 routed += out.routed_experts or []
         rows = pending.rows
         groups = torch.arange(len(rows) // pending.n).repeat_interleave(pending.n)
-        return Rollout(rows, groups, response_ids, log_probs, finish, routed if len(routed) == len(rows) else None,
-                       seconds)
+        return Rollout(samples=rows, groups=groups, response_ids=response_ids, log_probs=log_probs,
+                       finish_reasons=finish, routed_experts=routed if len(routed) == len(rows) else None,
+                       gen_seconds=seconds)
 
     def log_probs(self, batch: dict[str, torch.Tensor], shares: list[torch.Tensor], model: str,
                   replay: bool = False) -> tuple[torch.Tensor, RoutingRecord | None]:

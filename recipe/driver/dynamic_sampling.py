@@ -13,7 +13,7 @@ import torch
 from recipe.config import FilterGroupsConfig
 from recipe.data.dataset import DataError
 from recipe.driver.advantage import varying_groups
-from recipe.driver.dispatch import Rollout
+from recipe.driver.rollouts import Rollout
 from recipe.reward import RewardOutput
 
 Batch = tuple[Rollout, RewardOutput]
@@ -58,8 +58,10 @@ def _select_groups(batches: list[Batch], groups: list[int], n: int) -> Batch:
     def pick_joined(parts: list[list]) -> list:
         return pick([v for part in parts for v in part])
 
-    return (Rollout(pick(whole.samples), torch.arange(len(groups)).repeat_interleave(n), pick(whole.response_ids),
-                    pick(whole.log_probs), pick(whole.finish_reasons), pick(whole.routed_experts)),
+    return (Rollout(samples=pick(whole.samples), groups=torch.arange(len(groups)).repeat_interleave(n),
+                    response_ids=pick(whole.response_ids), log_probs=pick(whole.log_probs),
+                    finish_reasons=pick(whole.finish_reasons), routed_experts=pick(whole.routed_experts),
+                    gen_seconds=whole.gen_seconds),
             RewardOutput(scores=pick_joined([r.scores for r in rewards]), acc=pick_joined([r.acc for r in rewards]),
                          overlong_penalty=pick_joined([r.overlong_penalty for r in rewards]),
                          extra={k: pick_joined([r.extra[k] for r in rewards]) for k in rewards[0].extra}))

@@ -54,8 +54,9 @@ from recipe.data.dataset import BatchSampler, PromptDataset, val_batches
 from recipe.data.tiny_task import resolve_builtin
 from recipe.driver import checkpoint, dynamic_sampling
 from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
-from recipe.driver.dispatch import Dispatch, GenerationRequest, Rollout
+from recipe.driver.dispatch import Dispatch, GenerationRequest
 from recipe.driver.async_schedule import AsyncSchedule
+from recipe.driver.rollouts import Rollout
 from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
 from recipe.driver.signals import DriverSignals, Stopped
 from recipe.reward import OverlongConfig, RewardOutput, make_reward_fn, score_responses
