@@ -6,6 +6,7 @@
 - ``rollout``: the rollout engines behind one interface, their registry, the weight sync;
 - ``workers``: one Ray actor per device, composed of an actor role and a rollout role, or apart;
 - ``driver``: the trainer (one RL step, read top to bottom) and its helpers;
+- ``run_dir``: a run's directory on disk (its files, the checkpoints' layout, what a run resumes from);
 - ``tracking``: metrics and loggers;
 - ``compare``: runs of GRPO / GSPO variants and their stability report;
 - entry points: ``main`` (``main_gspo``, ``main_grpo``), ``compare``, ``evaluate`` (a model,

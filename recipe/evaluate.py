@@ -43,14 +43,13 @@ from megatron_bridge.errors import UserError
 from recipe.compare.report import Plot, Run, cell, markdown_table, metric_figure
 from recipe.config import BUILTIN_TINY, ActorRolloutRefConfig, DataConfig, ModelConfig, RecipeConfig, config_from_dict
 from recipe.data.dataset import DataError, PromptDataset, PromptSample
-from recipe.driver.checkpoint import ACTOR_DIR, CHECKPOINT_PREFIX, HF_DIR, PROVENANCE_FILE, checkpoints
 from recipe.model_merger import actor_dir, merge
 from recipe.reward import OverlongConfig, RewardOutput, answer_extractor, make_reward_fn, score_responses
 from recipe.rollout.base import RolloutEngine, SamplingParams
+from recipe.run_dir import ACTOR_DIR, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, CONFIG_FILE, HF_DIR, PROVENANCE_FILE, checkpoints
 from recipe.tracking.loggers import progress_bar
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "results.md", "score.png"
-RUN_CONFIG = "config.json"  # what the trainer writes into the run directory
 DEFAULT_MAX_RESPONSE_LENGTH = 16  # without a run's config: the built-in task's responses
 DEFAULT_BATCH_ROWS = 64  # sequences per engine call
 MODEL_KINDS = "a HF model directory, a checkpoint (<run>/checkpoints/global_step_N) or a run directory"
@@ -142,24 +141,24 @@ def find_models(path: Path) -> tuple[list[Model], Path | None]:
     """The models ``--model`` stands for, and the run directory whose settings apply (None: none)."""
     if not path.exists():
         raise EvalError(f"--model {path}: no such file or directory; give {MODEL_KINDS}")
-    if (path / "checkpoints").is_dir() and (path / RUN_CONFIG).is_file():
+    if (path / CHECKPOINTS_DIR).is_dir() and (path / CONFIG_FILE).is_file():
         provenance = path / PROVENANCE_FILE
         try:
             base = Path(json.loads(provenance.read_text())["model_dir"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise EvalError(f"--model {path}: the run's {PROVENANCE_FILE} cannot be read for the base model ({e}); "
                             "give a run directory the trainer started, or a checkpoint of it") from e
-        found = [_checked(c.name, _step(c), c / ACTOR_DIR) for c in checkpoints(path / "checkpoints")]
+        found = [_checked(c.name, _step(c), c / ACTOR_DIR) for c in checkpoints(path / CHECKPOINTS_DIR)]
         return [Model("base", 0, base, checkpoint=False), *found], path
     if path.is_dir() and ((path / "metadata.json").is_file() or (path / ACTOR_DIR / "metadata.json").is_file()):
         actor = actor_dir(path)
         ckpt = actor.parent if actor.name == ACTOR_DIR else actor
-        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
-        return [_checked(ckpt.name, _step(ckpt), actor)], run if run and (run / RUN_CONFIG).is_file() else None
+        run = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS_DIR else None
+        return [_checked(ckpt.name, _step(ckpt), actor)], run if run and (run / CONFIG_FILE).is_file() else None
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return [Model(path.name, None, path, checkpoint=False)], None
     raise EvalError(f"--model {path}: neither a HF model directory (config.json and *.safetensors), a checkpoint "
-                    f"(metadata.json in it or in its {ACTOR_DIR}/) nor a run directory (checkpoints/ and {RUN_CONFIG}); "
+                    f"(metadata.json in it or in its {ACTOR_DIR}/) nor a run directory (checkpoints/ and {CONFIG_FILE}); "
                     "give one of those")
 
 
@@ -170,7 +169,7 @@ def run_config(run: Path | None, model_dir: Path) -> tuple[RecipeConfig, bool]:
 
         return RecipeConfig(data=DataConfig(train_files=[]), actor_rollout_ref=(
             ActorRolloutRefConfig(model=ModelConfig(path=str(model_dir)))), layout=Layout(name="evaluate")), False
-    path = run / RUN_CONFIG
+    path = run / CONFIG_FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -3,7 +3,7 @@
     python -m recipe.model_merger merge --backend megatron \\
         --local_dir <run>/checkpoints/global_step_N/actor --target_dir <dir>
 
-From a checkpoint written under any parallel layout (``recipe.driver.checkpoint``), it writes
+From a checkpoint written under any parallel layout (``recipe.run_dir``), it writes
 safetensors shards with ``model.safetensors.index.json``, ``config.json`` (its dtype set to the
 weights'), ``generation_config.json`` and the base model's tokenizer, from the
 checkpoint's ``huggingface/`` folder. Tensors are streamed one group at a time
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, CheckpointMismatchError
 from megatron_bridge.weights.hf_export import HFExportError, export_hf
-from recipe.driver.checkpoint import ACTOR_DIR, HF_DIR
+from recipe.run_dir import ACTOR_DIR, HF_DIR
 
 
 def actor_dir(local_dir: Path) -> Path:

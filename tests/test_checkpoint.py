@@ -304,8 +304,8 @@ def test_a_truncated_file_is_named(written, tmp_path, damaged, reason):
 
 
 def _run_checkpoint(written, directory, step: int):
-    """A recipe checkpoint (``recipe.driver.checkpoint``'s layout) holding the written actor checkpoint."""
-    from recipe.driver.checkpoint import ACTOR_DIR, TRAINER_STATE
+    """A recipe checkpoint (``recipe.run_dir``'s layout) holding the written actor checkpoint."""
+    from recipe.run_dir import ACTOR_DIR, TRAINER_STATE
 
     path = directory / f"global_step_{step}"
     shutil.copytree(written[2], path / ACTOR_DIR)
@@ -318,7 +318,7 @@ def test_auto_resume_skips_damaged_checkpoints_and_says_why(written, tmp_path):
     resume_from_path at a damaged one is refused naming what is wrong."""
     from megatron_bridge.errors import ConfigError
     from recipe.config import TrainerConfig
-    from recipe.driver.checkpoint import TRAINER_STATE, resume_point, set_aside
+    from recipe.run_dir import TRAINER_STATE, resume_point, set_aside
 
     intact = _run_checkpoint(written, tmp_path, 2)
     cut = _run_checkpoint(written, tmp_path, 4)
@@ -346,7 +346,7 @@ def test_auto_resume_skips_an_unfinished_save(written, tmp_path):
     """A save killed before its rename leaves ``.global_step_K.tmp``; auto resume takes the last
     complete checkpoint, and a save of that step again starts from a clean temporary directory."""
     from recipe.config import TrainerConfig
-    from recipe.driver.checkpoint import checkpoints, remove_stale, to_resume
+    from recipe.run_dir import checkpoints, remove_stale, to_resume
 
     complete = _run_checkpoint(written, tmp_path, 2)
     unfinished = _run_checkpoint(written, tmp_path, 4).rename(tmp_path / ".global_step_4.tmp")

@@ -32,7 +32,7 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, local_ray):
     trains (async save: not resumable until complete), resumed under TP2 with sequence parallel:
     step 2 samples the same rollouts (the data position and the weights came back exactly) and
     updates within fp32 rounding of the EP2 run's step 2 (weights, Adam moments, LR schedule)."""
-    from recipe.driver.checkpoint import checkpoints
+    from recipe.run_dir import checkpoints
 
     writer = start_trainer(tmp_path, "ep2", ["actor_rollout_ref.actor.checkpoint.async_save=true"])
     try:

@@ -88,6 +88,7 @@ from matplotlib.ticker import MaxNLocator
 
 from megatron_bridge.errors import ConfigError, UserError
 from recipe.compare.variants import VARIANT_FILE, variant_keys
+from recipe.run_dir import CONFIG_FILE, PROVENANCE_FILE
 from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
 SCORE = "critic/score/mean"
@@ -100,8 +101,6 @@ K3_KL = "rollout_corr/k3_kl"
 STEP_TIME = "timing_s/step"
 STALENESS = "async/staleness_mean"
 STALENESS_MAX = "async/staleness_max"
-CONFIG_FILE = "config.json"
-PROVENANCE_FILE = "provenance.json"  # the trainer's record of the run's start (recipe.driver.checkpoint)
 PROMPT_HASH = "data/prompt_hash"
 # Keys that differ between runs by construction: each run's own seed, directory and name.
 RUN_IDENTITY = ("trainer.seed", "data.seed", "trainer.default_local_dir", "trainer.experiment_name",

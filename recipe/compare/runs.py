@@ -26,12 +26,14 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_bridge.errors import ConfigError
 from recipe.compare.report import ReportError, Rule, write_report
 from recipe.compare.variants import ALGOS, VARIANT_FILE, VARIANT_PARTS, variant_overrides
 from recipe.config import load_config, seed_rule
 from recipe.main import run_reporting
+from recipe.run_dir import CHECKPOINTS_DIR, PROVENANCE_FILE, to_resume, trainer_state
 from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
 DEFAULT_VARIANTS = "grpo,grpo_r2,gspo"
@@ -68,8 +70,6 @@ def plan_runs(out: str, variants: list[str], seeds: list[int], overrides: list[s
 def finished(run: Run) -> bool:
     """The run logged its last step (its length is in provenance.json from its start). A run dir
     made with other settings is refused."""
-    from recipe.driver.checkpoint import PROVENANCE_FILE  # torch.distributed.checkpoint (seconds): not for --help
-
     marker = os.path.join(run.directory, VARIANT_FILE)
     if not os.path.isfile(marker):
         return False
@@ -94,14 +94,10 @@ def finished(run: Run) -> bool:
 
 def _start_state(run: Run, cfg) -> str:
     """How an unfinished run starts: fresh, or resuming from its latest checkpoint's step."""
-    from pathlib import Path
-
-    from recipe.driver.checkpoint import TRAINER_STATE, to_resume  # torch.distributed.checkpoint (seconds): not for --help
-
-    resume = to_resume(cfg.trainer, Path(run.directory) / "checkpoints")
+    resume = to_resume(cfg.trainer, Path(run.directory) / CHECKPOINTS_DIR)
     if resume is None:
         return "to run"
-    return f"resuming from step {json.loads((resume / TRAINER_STATE).read_text())['step']}"
+    return f"resuming from step {trainer_state(resume)['step']}"
 
 
 def _load(config: str, run: Run):

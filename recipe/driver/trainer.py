@@ -52,6 +52,7 @@ from megatron_bridge.runtime.batch import (
 from recipe.config import RecipeConfig, config_to_dict
 from recipe.data.dataset import BatchSampler, PromptDataset, val_batches
 from recipe.data.tiny_task import resolve_builtin
+from recipe import run_dir
 from recipe.driver import checkpoint, dynamic_sampling
 from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
 from recipe.driver.dispatch import Dispatch, GenerationRequest
@@ -61,7 +62,7 @@ from recipe.driver.routing import replay_source, rollout_routing, routing_metric
 from recipe.driver.signals import DriverSignals, Stopped
 from recipe.reward import OverlongConfig, RewardOutput, make_reward_fn, score_responses
 from recipe.rollout.base import SamplingParams, request_seed
-from recipe.tracking.loggers import Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
+from recipe.tracking.loggers import METRICS_FILE, Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
 from recipe.workers.colocated import RankInfo
 from recipe.workers.group import WorkerGroup, init_ray, pools, shutdown_ray
@@ -77,7 +78,7 @@ class Trainer:
         self.signals.install()
         self.cfg = cfg
         self.dir = Path(cfg.trainer.default_local_dir)
-        self.ckpt_dir = self.dir / "checkpoints"
+        self.ckpt_dir = self.dir / run_dir.CHECKPOINTS_DIR
         self.model_dir, train_files, val_files = resolve_builtin(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.spec = load_model_spec(self.model_dir)
@@ -118,14 +119,14 @@ class Trainer:
         """Start the workers and restore the latest checkpoint if resuming. What the run reads and
         writes is checked first: the checkpoint to resume from, the run directory."""
         cfg, t = self.cfg, self.cfg.trainer
-        resume, damaged = checkpoint.resume_point(t, self.ckpt_dir)
+        resume, damaged = run_dir.resume_point(t, self.ckpt_dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2, default=str))
-            for stale in checkpoint.remove_stale(self.ckpt_dir):
+            (self.dir / run_dir.CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2, default=str))
+            for stale in run_dir.remove_stale(self.ckpt_dir):
                 tqdm.write(f"removed {stale}: a checkpoint a stopped run did not finish writing")
             for path, found in damaged:
-                tqdm.write(f"skipped {path}: {'; '.join(found)}; moved to {checkpoint.set_aside(path)}")
+                tqdm.write(f"skipped {path}: {'; '.join(found)}; moved to {run_dir.set_aside(path)}")
         except OSError as e:
             raise ConfigError(f"trainer.default_local_dir={self.dir}: cannot write the run directory "
                               f"({e.strerror}: {e.filename}); give a directory this user can write") from e
@@ -382,7 +383,7 @@ class Trainer:
     # --- the end -----------------------------------------------------------------------------
 
     def save_checkpoint(self, wait: bool = True, publish: bool = True) -> dict[str, float]:
-        """Every worker's shard and the driver's state (``recipe.driver.checkpoint``). With
+        """Every worker's shard and the driver's state (``recipe.driver.checkpoint``, ``recipe.run_dir``). With
         ``actor.checkpoint.async_save`` and not ``wait``, the workers write in the background and
         the checkpoint is put in place at the next save (or the run's end). Without ``publish``, a
         checkpoint completed now waits for ``publish_checkpoint``. Returns
@@ -398,7 +399,7 @@ class Trainer:
             self.pending_save = checkpoint.start_save(self.workers, self.ckpt_dir, self.step, state, self.model_dir)
             if wait or not self.cfg.actor_rollout_ref.actor.checkpoint.async_save:
                 done = self._finish_save(publish)
-        return {**timer.timings, **({"perf/checkpoint_bytes": checkpoint.disk_bytes(done)} if done else {})}
+        return {**timer.timings, **({"perf/checkpoint_bytes": run_dir.disk_bytes(done)} if done else {})}
 
     def _finish_save(self, publish: bool = True) -> Path | None:
         if self.pending_save is None:
@@ -414,24 +415,24 @@ class Trainer:
         this step again, where the other order would resume after a step whose line is lost."""
         if self.unpublished is None:
             return None
-        done = checkpoint.publish(self.unpublished, self.cfg.trainer.max_actor_ckpt_to_keep)
+        done = run_dir.publish(self.unpublished, self.cfg.trainer.max_actor_ckpt_to_keep)
         self.unpublished = None
         return done
 
     def finish(self) -> Path:
         self.tracking.close()
-        history = [m for m in read_jsonl(str(self.dir / "metrics.jsonl")) if "critic/score/mean" in m]
+        history = [m for m in read_jsonl(str(self.dir / METRICS_FILE)) if "critic/score/mean" in m]
         curve = ascii_curve([m["critic/score/mean"] for m in history], label="critic/score/mean")
-        (self.dir / "reward_curve.txt").write_text(curve + "\n")
+        (self.dir / run_dir.REWARD_CURVE_FILE).write_text(curve + "\n")
         print(curve)
-        print(f"metrics: {self.dir / 'metrics.jsonl'}\nreward curve: {self.dir / 'reward_curve.txt'}")
+        print(f"metrics: {self.dir / METRICS_FILE}\nreward curve: {self.dir / run_dir.REWARD_CURVE_FILE}")
         return self.dir
 
     def progress(self) -> str:
         """Where the run is, for a message that ends it: the last step completed and the checkpoint
         a re-run resumes from (which may be older)."""
         done = f"last completed step: {self.step}" if self.started else "during start-up"
-        return f"{done}; {checkpoint.rerun_note(self.cfg.trainer, self.ckpt_dir)}"
+        return f"{done}; {run_dir.rerun_note(self.cfg.trainer, self.ckpt_dir)}"
 
     def close(self) -> None:
         for group in (self.workers, self.rollout_workers):
