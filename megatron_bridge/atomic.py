@@ -21,7 +21,7 @@ def replacing(path: str | os.PathLike, durable: bool = False) -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the run's other users
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp's 0600 would hide the file from the run's other users
         if durable:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -41,7 +41,8 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         file.write(text)
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -40,13 +40,13 @@ import torch
 
 from megatron_bridge.atomic import replacing, write_text
 from megatron_bridge.errors import UserError
-from recipe.compare.report import Plot, Run, cell, markdown_table, metric_figure
 from recipe.config import BUILTIN_TINY, ActorRolloutRefConfig, DataConfig, ModelConfig, RecipeConfig, config_from_dict
 from recipe.data.dataset import DataError, PromptDataset, PromptSample
 from recipe.model_merger import actor_dir, merge
 from recipe.reward import OverlongConfig, RewardOutput, answer_extractor, make_reward_fn, score_responses
 from recipe.rollout.base import RolloutEngine, SamplingParams
 from recipe.run_dir import ACTOR_DIR, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, CONFIG_FILE, HF_DIR, PROVENANCE_FILE, checkpoints
+from recipe.tracking.figures import Logged, Plot, cell, markdown_table, metric_figure
 from recipe.tracking.loggers import progress_bar
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "results.md", "score.png"
@@ -277,8 +277,7 @@ def plot(results: dict, path: Path) -> None:
         for key, name in ((f"mean@{n}", f"mean@{n}"), ("greedy_score", "greedy")):
             points = [(m["step"], m["results"][source][key]) for m in models if source in m["results"]]
             label = f"{source} {name}"
-            lines[label] = [Run(path="", variant=label, seed=None, series={"score": points}, steps=len(points),
-                                config=None)]
+            lines[label] = [Logged({"score": points})]
     figure, _ = metric_figure(Plot(PLOT_FILE, "score", "score"), lines)
     FigureCanvasAgg(figure)
     with replacing(path) as tmp:

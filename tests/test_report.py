@@ -14,7 +14,8 @@ from matplotlib.collections import PathCollection
 
 from recipe.compare import report
 from recipe.compare.report import (PLOTS, ReportError, Rule, decline_step, group_runs, instability, instability_step, load_run,
-                                   metric_figure, never_learned_step, write_report)
+                                   never_learned_step, write_report)
+from recipe.tracking.figures import metric_figure
 
 SCORE, VAL, GRAD = "critic/score/mean", "val/score/mean", "actor/grad_norm"
 CLIP, DRIFT, DIFF, TIME = ("actor/pg_clipfrac", "moe/routing_drift/slot_frac", "training/rollout_probs_diff_mean",

@@ -86,9 +86,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from megatron_bridge.atomic import umask
 from megatron_bridge.errors import ConfigError, UserError
 from recipe.compare.variants import VARIANT_FILE, variant_keys
 from recipe.run_dir import CONFIG_FILE, PROVENANCE_FILE
+from recipe.tracking.figures import MISSING, Plot, across_runs, cell, markdown_table, metric_figure
 from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
 SCORE = "critic/score/mean"
@@ -107,7 +109,6 @@ RUN_IDENTITY = ("trainer.seed", "data.seed", "trainer.default_local_dir", "train
                 "trainer.resume_mode")
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
-MISSING = "–"
 
 
 class ReportError(UserError, ValueError):
@@ -151,12 +152,6 @@ class Rule:
         )
 
 
-@dataclass(frozen=True)
-class Plot:
-    file: str
-    key: str
-    label: str  # the y axis
-    log_y: bool = False  # when every value is positive: a spike must not flatten the rest
 
 
 PLOTS: tuple[Plot, ...] = (
@@ -432,54 +427,8 @@ def summarize(groups: dict[str, list[Run]], rule: Rule) -> Summary:
 # ---- plots -----------------------------------------------------------------------------------
 
 
-def _across_seeds(runs: Sequence[Run], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps, and at each the mean, min and max over the seeds that logged a finite value there."""
-    by_step: dict[int, list[float]] = {}
-    for run in runs:
-        for step, value in run.series.get(key, []):
-            if math.isfinite(value):
-                by_step.setdefault(step, []).append(value)
-    steps = sorted(by_step)
-    return (steps, [statistics.fmean(by_step[s]) for s in steps],
-            [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps])
 
 
-# Lines that coincide (variants that behave alike) stay visible: each variant its own dash pattern,
-# the later ones thinner, so one drawn over another leaves the other showing at its sides.
-LINE_STYLES = ("-", "--", ":", "-.")
-
-
-def metric_figure(plot: Plot, groups: dict[str, list[Run]],
-                  marks: dict[str, list[tuple[Run, int]]] | None = None) -> tuple[Figure, list[str]] | None:
-    """The figure of one metric, one line a variant that logs it, and its line labels; None when no
-    variant logs it. ``marks``: per variant, (run, step) to flag with an x on that run's own curve,
-    drawn thin beside the variant's mean."""
-    figure = Figure(figsize=(7, 4), layout="constrained")
-    axes = figure.add_subplot()
-    labels, lowest, marks = [], math.inf, marks or {}
-    for index, (variant, runs) in enumerate(groups.items()):
-        steps, mean, low, high = _across_seeds(runs, plot.key)
-        if not steps:
-            continue
-        (line,) = axes.plot(steps, mean, label=variant, marker="o" if len(steps) <= 12 else None, markersize=3,
-                            linestyle=LINE_STYLES[index % len(LINE_STYLES)], linewidth=max(2.6 - 0.4 * index, 1.0))
-        if sum(plot.key in run.series for run in runs) > 1:
-            axes.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-        for run, step in marks.get(variant, []):
-            own = dict(run.series.get(plot.key, []))
-            if step in own:
-                axes.plot(*zip(*run.series[plot.key]), color=line.get_color(), linewidth=0.8, alpha=0.6)
-                axes.scatter([step], [own[step]], marker="x", s=80, color=line.get_color(), zorder=3)
-        labels.append(variant)
-        lowest = min(lowest, *low)
-    if not labels:
-        return None
-    if plot.log_y and lowest > 0:
-        axes.set_yscale("log")
-    axes.set(title=plot.key, xlabel="step", ylabel=plot.label)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    return figure, labels
 
 
 def _edges(centres: Sequence[float]) -> list[float]:
@@ -494,7 +443,7 @@ def drift_heatmap(variant: str, runs: Sequence[Run], top: float | None = None) -
     """Layers x steps of the per-layer routing drift (mean over seeds), coloured from 0 to ``top``
     (one scale for every variant's map; None: this map's own maximum); None without those metrics."""
     layers = sorted({int(m.group(1)) for run in runs for key in run.series if (m := LAYER_KEY.match(key))})
-    rows = [_across_seeds(runs, f"{DRIFT}/layer_{layer}") for layer in layers]
+    rows = [across_runs(runs, f"{DRIFT}/layer_{layer}") for layer in layers]
     steps = sorted({step for row in rows for step in row[0]})
     if not steps:
         return None
@@ -544,16 +493,6 @@ def _write_plots(directory: str, groups: dict[str, list[Run]], summary: Summary)
 # ---- report.md -------------------------------------------------------------------------------
 
 
-def cell(value: object, spec: str = ".4g") -> str:
-    if value is None:
-        return MISSING
-    text = format(value, spec) if isinstance(value, float) else str(value)
-    return text.replace("|", "\\|")
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def _flatten(config: dict, prefix: str = "") -> dict[str, str]:
@@ -767,12 +706,6 @@ def _check_out(out_dir: str) -> None:
                           "replaces; choose another --out or empty it")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _move_into_place(staging: str, out_dir: str) -> None:
     if not os.path.isdir(out_dir):
         os.rename(staging, out_dir)
@@ -801,7 +734,7 @@ def write_report(run_dirs: Sequence[str], out_dir: str, rule: Rule = Rule()) -> 
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the report from others on shared storage
+        os.chmod(staging, 0o777 & ~umask())  # mkdtemp's 0700 would hide the report from others on shared storage
     except OSError as err:
         raise ReportError(f"cannot create the report directory {out_dir}: {err}; choose another --out") from err
     try:
