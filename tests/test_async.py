@@ -189,10 +189,7 @@ def _schedule(sync_every, max_staleness, steps, validated, finished, resumed=0, 
     metrics = []
     for step in range(resumed + 1, steps + 1):
         metrics.append(schedule.metrics(step, schedule.batch(step), step_seconds=1.0))
-        if schedule.push_due(step) or step in validated:
-            schedule.push(step, dict)
-        else:
-            schedule.poll()
+        schedule.after_update(step, dict, validates=step in validated)
     return metrics, pool.sent
 
 
@@ -709,7 +706,7 @@ def test_fully_async_partial_rollout_continues_the_batches_in_flight_under_the_p
         assert trainer.cfg.async_training.max_staleness == 2
         _plant(trainer.rollout_workers.workers[0], "rollout.engine.model.forward", 1, "slow", seconds=0.25)
         _hold_decoding_while(trainer.rollout_workers.workers[0], hold)
-        schedule = trainer.ahead
+        schedule = trainer.generation
         batch, push = schedule.batch, schedule.push
 
         def batch_then_hold(step):

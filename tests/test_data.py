@@ -244,6 +244,24 @@ def test_sampler_resumes_where_it_stopped(k):
     assert take(resumed, 5) == take(uninterrupted, 5)
 
 
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_sampler_state_after_any_earlier_batch(drop_last):
+    """What a run that drew batches ahead checkpoints: the state before the first batch it has not
+    trained on. Resumed from it, the sampler draws those batches again, across epochs too."""
+    sampler = BatchSampler(7, 3, shuffle=True, seed=2, drop_last=drop_last)
+    per_epoch = sampler.batches_per_epoch
+    states, batches = [], []
+    for _ in range(3 * per_epoch + 1):
+        states.append(sampler.state_dict())
+        batches.append(sampler.next_batch())
+    assert sampler.drawn == len(batches)
+    for drawn in range(len(batches)):
+        assert sampler.state_at(drawn) == states[drawn]
+        resumed = BatchSampler(7, 3, shuffle=True, seed=2, drop_last=drop_last)
+        resumed.load_state_dict(sampler.state_at(drawn))
+        assert resumed.drawn == drawn and take(resumed, len(batches) - drawn) == batches[drawn:]
+
+
 def test_sampler_bad_settings_and_state():
     with pytest.raises(ValueError, match="batch_size=8 is larger than the dataset's 5 prompts"):
         BatchSampler(5, 8, shuffle=True, seed=0)

@@ -270,8 +270,19 @@ class BatchSampler:
             self._order = self._epoch_order(self.epoch)
         return batch
 
+    @property
+    def drawn(self) -> int:
+        """Batches drawn since the start of epoch 0: the position as one number."""
+        return self.epoch * self.batches_per_epoch + self._position // self.batch_size
+
+    def state_at(self, drawn: int) -> dict:
+        """The state after ``drawn`` batches (``state_dict`` at that point): where a run that drew
+        batches ahead resumes, before the first batch it has not trained on."""
+        epoch, batch = divmod(drawn, self.batches_per_epoch)
+        return {"epoch": epoch, "position": batch * self.batch_size}
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self._position}
+        return self.state_at(self.drawn)
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != {"epoch", "position"} or not all(type(v) is int for v in state.values()):

@@ -90,9 +90,10 @@ class AsyncSchedule:
         self.generated = 0.0  # seconds the rollout ranks generated the batches collected since then
         self.pushes = 0  # weight pushes since the last metrics()
 
-    def batch(self, step: int) -> Rollout:
+    def batch(self, step: int, index: int = 0) -> Rollout:
         """Step ``step``'s batch, its generation batches joined: made ahead, or generated now (the first
-        step of a run or of a resumed run, or a rollout slower than the trainer)."""
+        step of a run or of a resumed run, or a rollout slower than the trainer). ``index`` is 0: DAPO's
+        filter, which asks for more, is refused in the asynchronous modes (``recipe.config``)."""
         first = (step - 1) * self.per_step + 1
         wanted = range(first, first + self.per_step)
         self._send_allowed(last=wanted[-1])  # not sent yet (a run's first step): alone, the step waits for them
@@ -100,6 +101,18 @@ class AsyncSchedule:
         while any(b not in self.made for b in wanted):  # within the bound: the last push is >= step - T
             self._advance()
         return Rollout.concat([self.made.pop(b) for b in wanted])
+
+    def after_update(self, step: int, sync: Callable[[], dict[str, float]], validates: bool) -> dict[str, float]:
+        """Push step ``step``'s weights when due or before a validation (which then sees the current
+        policy); otherwise the rollout goes on generating, and the batches it finished are collected."""
+        if self.push_due(step) or validates:
+            return self.push(step, sync)
+        self.poll()
+        return {}
+
+    def drawn_ahead(self, step: int) -> int:
+        """The generation batches sent for the steps after ``step`` (each drew its prompts)."""
+        return max(0, self.next_batch - 1 - step * self.per_step)
 
     def poll(self) -> None:
         """Collect the generations done, in the order sent, and send what the bound allows: the rollout

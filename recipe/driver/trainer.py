@@ -57,6 +57,7 @@ from recipe.driver import checkpoint, dynamic_sampling
 from recipe.driver.advantage import KLController, grpo_advantages, kl_in_reward, token_advantages
 from recipe.driver.dispatch import Dispatch, GenerationRequest
 from recipe.driver.async_schedule import AsyncSchedule
+from recipe.driver.generation import GenerationStrategy, OnPolicy
 from recipe.driver.rollouts import Rollout
 from recipe.driver.routing import replay_source, rollout_routing, routing_metrics
 from recipe.driver.signals import DriverSignals, Stopped
@@ -106,10 +107,7 @@ class Trainer:
         self.started_ray = False  # by start(); train() shuts it down
         self.workers: WorkerGroup | None = None
         self.rollout_workers: WorkerGroup | None = None  # a rollout pool of its own
-        self.ahead: AsyncSchedule | None = None  # the asynchronous modes: the batches generated ahead
-        # the sampler's position before each step's first generation batch was drawn, for the steps
-        # not trained yet: a checkpoint records the one of the step after it (see save_checkpoint)
-        self.sampler_before: dict[int, dict] = {}
+        self.generation: GenerationStrategy | None = None  # on-policy, or the asynchronous modes' schedule
         self.pending_save: Path | None = None  # a background save's temporary directory
         self.unpublished: Path | None = None  # this step's complete checkpoint, put in place after its line
 
@@ -144,6 +142,7 @@ class Trainer:
         infos = self.workers.setup(cfg, self.model_dir)
         self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec, self.rollout_workers)
         self.dp_size = self.dispatch.dp_size
+        self.generation = OnPolicy(self.dispatch, self.generation_request)
         tqdm.write("workers: " + _placement(infos))
         checkpoint.record_provenance(self.dir, self.workers, self.model_dir, t.seed, cfg.data.seed, self.total_steps)
         if resume is not None:
@@ -158,7 +157,7 @@ class Trainer:
             tqdm.write("rollout workers: " + _placement(self.rollout_workers.infos))
             self.dispatch.connect_rollout()
             a = cfg.async_training
-            self.ahead = AsyncSchedule(self.dispatch, self.generation_request, self.total_steps, a.sync_every,
+            self.generation = AsyncSchedule(self.dispatch, self.generation_request, self.total_steps, a.sync_every,
                                        a.batches_ahead, self.step, a.wait_rollout_timeout_s, a.partial_rollout,
                                        a.generation_batches)
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
@@ -256,8 +255,7 @@ class Trainer:
         metrics.update(routing_metrics(old, valid, self.spec.num_experts, engine_routing, drift, replayed))
         metrics.update(timer.timings)
         step_seconds = timer.timings["timing_s/step"]
-        if self.ahead is not None:
-            metrics.update(self.ahead.metrics(step, rollout, step_seconds))
+        metrics.update(self.generation.metrics(step, rollout, step_seconds))
         tokens = int(batch[PROMPT_LENGTHS].sum() + response_lengths.sum())
         devices = self.workers.world_size + (self.rollout_workers.world_size if self.rollout_workers else 0)
         metrics.update(throughput_metrics(tokens, step_seconds, devices))
@@ -275,11 +273,7 @@ class Trainer:
         cfg = self.cfg
 
         def generate(index: int) -> tuple[Rollout, RewardOutput]:
-            if self.ahead is not None:  # made ahead: the step's generation batches, joined
-                rollout = self.ahead.batch(step)
-            else:
-                r = self.generation_request(step, index)
-                rollout = self.dispatch.generate(r.prompts, r.n, r.params, r.first_row)
+            rollout = self.generation.batch(step, index)
             return rollout, self.rewards(rollout)
 
         return dynamic_sampling.sample(generate, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size,
@@ -294,12 +288,7 @@ class Trainer:
             with timer("reshard"):
                 return self.dispatch.sync_weights()
 
-        if self.ahead is None:
-            return sync()
-        if self.ahead.push_due(step) or self.validates_after(step):
-            return self.ahead.push(step, sync)
-        self.ahead.poll()
-        return {}
+        return self.generation.after_update(step, sync, self.validates_after(step))
 
     def validates_after(self, step: int) -> bool:
         """A validation follows step ``step``: every ``trainer.test_freq`` steps and after the last."""
@@ -309,9 +298,6 @@ class Trainer:
     def generation_request(self, step: int, index: int = 0) -> GenerationRequest:
         """The sampler's next prompts as ``step``'s ``index``-th generation batch (its seeds)."""
         n = self.cfg.actor_rollout_ref.rollout.n
-        if index == 0:
-            self.sampler_before = {s: v for s, v in self.sampler_before.items() if s > self.step}
-            self.sampler_before[step] = self.sampler.state_dict()
         prompts = [self.train_data[i] for i in self.sampler.next_batch()]
         return GenerationRequest(prompts, n, self.sampling_params(step), first_row=index * len(prompts) * n)
 
@@ -394,7 +380,7 @@ class Trainer:
             done = self._finish_save()
             # The position before the next step's batch: batches made ahead (asynchronous modes) are
             # drawn again by a resumed run, not skipped.
-            sampler = self.sampler_before.get(self.step + 1, self.sampler.state_dict())
+            sampler = self.sampler.state_at(self.sampler.drawn - self.generation.drawn_ahead(self.step))
             state = {"step": self.step, "sampler": sampler, "kl_coef": self.kl_ctrl.value}
             self.pending_save = checkpoint.start_save(self.workers, self.ckpt_dir, self.step, state, self.model_dir)
             if wait or not self.cfg.actor_rollout_ref.actor.checkpoint.async_save:
