@@ -44,13 +44,14 @@ def stable(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith(VOLATILE)}
 
 
-def start_trainer(tmp_path: Path, name: str, overrides: list[str]):
-    """The tiny GSPO recipe's trainer with ``overrides``, started (its workers up) in this process
-    under ``tmp_path / name``: no validation, no checkpoints unless the overrides ask."""
+def start_trainer(tmp_path: Path, name: str, overrides: list[str], config: str = TINY["gspo"]):
+    """The trainer of ``config`` (by default the tiny GSPO recipe) with ``overrides``, started (its
+    workers up) in this process under ``tmp_path / name``: no validation, no checkpoints unless the
+    overrides ask."""
     from recipe.config import load_config
     from recipe.driver.trainer import Trainer
 
-    cfg = load_config(str(REPO / TINY["gspo"]), [f"trainer.default_local_dir={tmp_path / name}",
+    cfg = load_config(str(REPO / config), [f"trainer.default_local_dir={tmp_path / name}",
                                                   "trainer.val_before_train=false", "trainer.save_freq=-1",
                                                   "trainer.test_freq=-1", *overrides])
     trainer = Trainer(cfg)
@@ -88,3 +89,13 @@ def split_tolerances(metrics: dict, cfg) -> dict[str, float]:
             "actor/grad_norm": metrics["actor/grad_norm"] * rounding(1.0, 2 * terms)}
 
 
+def train_in_process(tmp_path: Path, name: str, overrides: list[str], config: str = TINY["gspo"]) -> dict[int, dict]:
+    """A whole run by ``start_trainer``'s trainer, its metrics by step: for tests of what a run
+    computes rather than what the command prints (with ``local_ray``, the module's runs share one
+    Ray and this process's imports)."""
+    trainer = start_trainer(tmp_path, name, overrides, config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return metrics(tmp_path / name)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipe_runs import TINY, metrics, run_main
+from tests.recipe_runs import TINY, metrics, run_main, train_in_process
 
 
 @pytest.mark.slow
@@ -69,13 +69,10 @@ def assert_learned(run, out, algo: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_long_preset_runs_with_worked_out_responses(tmp_path):
+def test_the_long_preset_runs_with_worked_out_responses(tmp_path, local_ray):
     """configs/recipe/tiny_long.yaml through the trainer for 3 steps: responses of tens of tokens, in
     the format (its learning: tests/test_tiny_task.py and docs/recipe.md)."""
-    out = run_main(["--config", "configs/recipe/tiny_long.yaml", "trainer.total_training_steps=3",
-                    "trainer.save_freq=-1", f"trainer.default_local_dir={tmp_path}"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    history = metrics(tmp_path)
+    history = train_in_process(tmp_path, "long", ["trainer.total_training_steps=3"], "configs/recipe/tiny_long.yaml")
     for step in (1, 2, 3):
         m = history[step]
         assert 40 < m["response_length/mean"] < 56 and m["response_length/clip_ratio"] < 0.1, m
@@ -83,18 +80,15 @@ def test_the_long_preset_runs_with_worked_out_responses(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_rollout_beside_a_fp32_trainer_opens_a_train_rollout_gap(tmp_path):
+def test_bf16_rollout_beside_a_fp32_trainer_opens_a_train_rollout_gap(tmp_path, local_ray):
     """actor_rollout_ref.rollout.dtype=bfloat16: the engine rounds the trainer's fp32 weights to 8
     mantissa bits (relative 2^-9) and computes in bf16, router included. That moves a token's
     probability by ~1e-3 and flips near-tied routers, where matching precision stays below the fp32
     ceilings of test_tiny_recipe_raises_the_score (1e-5 mean, k3 KL 1e-6): the gap is asserted to
     clear those ceilings fivefold on every step (measured: 14-60 times), and some tokens to route
     differently."""
-    out = run_main(["--config", TINY["gspo"], f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
-                    "trainer.test_freq=-1", "trainer.val_before_train=false", "actor_rollout_ref.rollout.dtype=bfloat16"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert '"dtype": "bfloat16"' in (tmp_path / "config.json").read_text()  # the resolved rollout dtype, recorded
-    history = metrics(tmp_path)
+    history = train_in_process(tmp_path, "bf16", ["trainer.total_training_steps=2", "actor_rollout_ref.rollout.dtype=bfloat16"])
+    assert '"dtype": "bfloat16"' in (tmp_path / "bf16" / "config.json").read_text()  # the resolved rollout dtype, recorded
     for k in (1, 2):
         m = history[k]
         assert m["training/rollout_probs_diff_mean"] > 5e-5 and m["rollout_corr/k3_kl"] > 5e-6, m
@@ -105,14 +99,11 @@ def test_bf16_rollout_beside_a_fp32_trainer_opens_a_train_rollout_gap(tmp_path):
 
 
 @pytest.mark.slow
-def test_dapo_dynamic_sampling_and_kl_in_reward(tmp_path):
+def test_dapo_dynamic_sampling_and_kl_in_reward(tmp_path, local_ray):
     # GSPO has no KL loss: the reference model is built for the reward's KL alone
-    out = run_main(["--config", TINY["gspo"], f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
-                    "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.val_before_train=false",
-                    "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=8",
-                    "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    history = metrics(tmp_path)
+    history = train_in_process(tmp_path, "dapo", [
+        "trainer.total_training_steps=2", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "data.gen_batch_size=8", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"])
     for step in (1, 2):
         m = history[step]
         # 16 prompts whose 8 answers are not all right or all wrong, from batches of 8 prompts
