@@ -709,8 +709,8 @@ def test_fully_async_partial_rollout_continues_the_batches_in_flight_under_the_p
         schedule = trainer.generation
         batch, push = schedule.batch, schedule.push
 
-        def batch_then_hold(step):
-            rollout = batch(step)
+        def batch_then_hold(step, index=0):
+            rollout = batch(step, index)
             hold.touch()
             return rollout
 
