@@ -158,8 +158,8 @@ class Trainer:
             self.dispatch.connect_rollout()
             a = cfg.async_training
             self.generation = AsyncSchedule(self.dispatch, self.generation_request, self.total_steps, a.sync_every,
-                                       a.batches_ahead, self.step, a.wait_rollout_timeout_s, a.partial_rollout,
-                                       a.generation_batches)
+                                            a.batches_ahead, self.step, a.wait_rollout_timeout_s, a.partial_rollout,
+                                            a.generation_batches)
         # Off a terminal the progress bar is not drawn; the console line is then the per-step line.
         loggers = t.logger if on_terminal() or "console" in t.logger else [*t.logger, "console"]
         self.tracking = Tracking(str(self.dir), loggers, t.project_name, t.experiment_name, config_to_dict(cfg),
