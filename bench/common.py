@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import platform as host
-import socket
 import sys
 import tempfile
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from megatron_bridge.runtime.platform import free_port
 
 # Warnings every rank would print on every run, none of them about the measurement.
 BENIGN_WARNINGS = (
@@ -97,12 +98,6 @@ def save_shipped_model(directory: str | Path, name: str, seed: int = 0, dtype: t
     save_file(tensors, str(Path(directory, "model.safetensors")), metadata={"format": "pt"})
     Path(directory, "config.json").write_text(json.dumps(cfg, indent=2))
     return str(directory)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_cores() -> int:

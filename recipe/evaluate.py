@@ -27,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import warnings
@@ -194,11 +193,9 @@ def hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _one_rank_process_group(device: str) -> None:
     """The device engines run under an external launcher: a process group of this process alone."""
-    from megatron_bridge.runtime.platform import activate, init_distributed
+    from megatron_bridge.runtime.platform import activate, free_port, init_distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(port))):
         os.environ.setdefault(key, value)

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_bridge.runtime.platform import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, platform_name: str, fn, args) -> None:

@@ -225,3 +225,52 @@ def test_wait_nodes_follows_the_joins_and_survives_a_slow_dashboard(monkeypatch,
     monkeypatch.setattr(cluster, "alive_nodes", lambda _: (_ for _ in ()).throw(ConnectionError("refused")))
     assert main(args[:8] + ["0"] + args[9:]) == 1
     assert "the Ray dashboard at http://h:8265 did not answer within 0 s: refused" in capsys.readouterr().err
+
+
+def test_a_local_ray_that_times_out_starting_is_ended_and_started_once_more(monkeypatch, capsys):
+    """Ray's raylet has a fixed 30 s to register; on a busy machine that passes and Ray raises with
+    its processes still running. They are ended, and the second start is a real Ray."""
+    import subprocess
+
+    import ray
+
+    from recipe.workers import group
+
+    real_init, calls, left = ray.init, [], []
+
+    def init_once_too_slow(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:  # what a timed-out start leaves: a process of ours, and Ray's message
+            left.append(subprocess.Popen(["sleep", "600"]))
+            raise Exception("The current node timed out during startup. This could happen because some of "
+                            "the raylet failed to startup or the GCS has become overloaded.")
+        return real_init(**kwargs)
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", init_once_too_slow)
+    try:
+        assert group.init_ray("cpu", 2) is True
+        assert ray.is_initialized() and ray.cluster_resources()["CPU"] >= 2
+    finally:
+        ray.shutdown()
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert left[0].wait(timeout=10) == -9  # killed, not left running
+    assert "local Ray did not come up within its 30 s (a busy machine?): starting it once more" in capsys.readouterr().err
+
+
+def test_other_local_ray_start_errors_are_not_retried(monkeypatch):
+    import ray
+
+    from recipe.workers import group
+
+    calls = []
+
+    def init_fails(**kwargs):
+        calls.append(kwargs)
+        raise ValueError("bad option")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", init_fails)
+    with pytest.raises(ValueError, match="bad option"):
+        group.init_ray("cpu", 1)
+    assert len(calls) == 1

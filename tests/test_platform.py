@@ -68,3 +68,18 @@ def test_npu_platform_activates_mindspeed_before_megatron():
         print('ok')
     """)
     assert out.returncode == 0, out.stderr
+
+
+def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range():
+    """Ports the kernel gives outgoing connections are never handed to a rendezvous, where a busy
+    node's next connection could take one before the store binds it."""
+    import socket
+
+    from megatron_bridge.runtime.platform import _RENDEZVOUS_PORTS_FROM, _ephemeral_ports_from, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 10  # drawn, not the same one each time
+    for port in ports:
+        assert _RENDEZVOUS_PORTS_FROM <= port < _ephemeral_ports_from()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import free_port
 from tests.recipe_runs import REPO, TINY, metrics, run_main
 
 # Every process the driver starts (Ray's and its workers) inherits its environment: a unique value
@@ -160,11 +161,7 @@ def test_sigint_twice_stops_once_and_a_damaged_checkpoint_is_skipped(tmp_path):
 def test_sigterm_under_a_joined_cluster_leaves_the_cluster_up(tmp_path):
     """As under ``ray job submit`` (RAY_ADDRESS set): the stopped driver ends its workers and
     disconnects; the cluster's processes stay, with every CPU free again."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cluster = uuid.uuid4().hex
     # the head and its clients share Ray's auth token, as the launchers arrange (launch/common.sh)
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import random
+import socket
 import sys
 
 import torch
@@ -91,6 +93,37 @@ def active() -> Platform:
     if _active is None:
         raise RuntimeError("no platform is active; call megatron_bridge.runtime.platform.activate() first")
     return _active
+
+
+# Ray's workers listen on 10002-19999 (its default min/max_worker_port).
+_RENDEZVOUS_PORTS_FROM = 20000
+
+
+def _ephemeral_ports_from() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a rendezvous that another process binds moments later.
+    Drawn below the kernel's ephemeral range: a port the kernel hands out (bind to port 0) is also
+    what it gives the next outgoing connection, and on a busy node (Ray, other runs) one of those
+    takes it before the store binds it."""
+    draw = random.SystemRandom()
+    top = _ephemeral_ports_from()
+    for _ in range(64 if top > _RENDEZVOUS_PORTS_FROM else 0):
+        port = draw.randrange(_RENDEZVOUS_PORTS_FROM, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def init_distributed(platform: Platform) -> torch.device:

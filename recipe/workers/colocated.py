@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -54,9 +53,9 @@ def free_address() -> tuple[str, int]:
     """This node's IP and a free TCP port on it (rank 0 hosts the torch.distributed rendezvous)."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    from megatron_bridge.runtime.platform import free_port
+
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 def quiet_known_warnings() -> None:

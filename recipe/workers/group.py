@@ -9,9 +9,11 @@ in a second group, its rollout ranks (``pools``)."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import psutil
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -94,9 +96,26 @@ def init_ray(device: str, world_size: int) -> bool:
         ray.init(logging_level="WARNING")
         return True
     cpus = max(os.cpu_count() or 1, world_size) if device == "cpu" else None
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        _start_local_ray(cpus)
+    except Exception as e:  # Ray raises a bare Exception for this one
+        if "timed out during startup" not in str(e):
+            raise
+        # Ray gives its raylet 30 s to register (fixed in 2.60); on a busy machine that can pass.
+        # The failed start's processes are ours alone and nothing ends them: end them first.
+        for process in psutil.Process().children(recursive=True):
+            if process.pid not in before:
+                process.kill()
+        print("local Ray did not come up within its 30 s (a busy machine?): starting it once more",
+              file=sys.stderr, flush=True)
+        _start_local_ray(cpus)
+    return True
+
+
+def _start_local_ray(cpus: int | None) -> None:
     # address="local": a new Ray of our own, never a cluster `ray start` once recorded on this machine.
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
-    return True
 
 
 def shutdown_ray() -> None:
