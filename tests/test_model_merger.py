@@ -159,6 +159,49 @@ def test_bad_input_is_refused_by_name(exported, tmp_path, capsys):
     assert not (tmp_path / "c").exists() and not (tmp_path / ".c.tmp").exists()
 
 
+@pytest.mark.slow
+def test_the_target_never_removes_what_the_export_did_not_write(exported, tmp_path, monkeypatch, capsys):
+    """The merger replaces its target: a target that is the working directory, the checkpoint, the
+    base model or a folder holding one is refused, as is --overwrite of a folder with the user's own
+    files; --overwrite of an earlier export replaces it."""
+    from recipe.model_merger import main
+
+    _, _, _, tmp = exported
+    step = tmp / "global_step_1"
+
+    def merge_into(target: str, *flags: str) -> int:
+        return main(["merge", "--backend", "megatron", "--local_dir", str(step), "--target_dir", target, *flags])
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for target, says in ((".", f"is the current directory ({work})"), ("..", f"holds the current directory ({work})"),
+                         (str(step / "actor"), "is the checkpoint"), (str(step), "holds the checkpoint"),
+                         (str(step / "actor" / "huggingface"), "is the base model")):
+        assert merge_into(target, "--overwrite") == 2, target
+        err = capsys.readouterr().err
+        assert f"--target_dir {target} {says}" in err and "name a new directory for the export" in err, err
+    assert (work / "notes.txt").read_text() == "mine" and sorted(p.name for p in work.iterdir()) == ["notes.txt"]
+    assert (step / "actor" / "metadata.json").is_file() and (step / "actor" / "huggingface" / "config.json").is_file()
+
+    monkeypatch.chdir(tmp_path)
+    (work / "data").mkdir()
+    assert merge_into(str(work), "--overwrite") == 2
+    assert (f"--target_dir {work} holds files an export does not write (data/, notes.txt); --overwrite replaces "
+            "only an earlier export" in capsys.readouterr().err)
+    assert sorted(p.name for p in work.iterdir()) == ["data", "notes.txt"]
+
+    export = tmp_path / "export"
+    assert merge_into(str(export)) == 0
+    first = {name: t.clone() for name, t in _tensors(export).items()}  # load_file maps the file
+    (export / "model-00001-of-00001.safetensors").write_bytes(b"stale")
+    assert merge_into(str(export), "--overwrite") == 0  # an earlier export: replaced
+    again = _tensors(export)
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "work"]  # nothing left beside it
+
+
 def test_help_explains_the_command():
     out = subprocess.run([sys.executable, "-m", "recipe.model_merger", "merge", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})

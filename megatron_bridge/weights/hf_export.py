@@ -12,6 +12,7 @@ beside itself and renamed into place when complete.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -25,6 +26,7 @@ from megatron_bridge.weights.hf_checkpoint import INDEX_FILE
 from megatron_bridge.weights.load import hf_shape
 
 SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
+SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
@@ -48,12 +50,11 @@ def export_hf(checkpoint_dir: Path, target_dir: Path, hf_model_dir: Path, shard_
     bytes, shards)."""
     if not (hf_model_dir / "config.json").is_file():
         raise HFExportError(f"{hf_model_dir}: no config.json (the base model's; pass --hf_model_path)")
-    if target_dir.exists() and any(target_dir.iterdir()) and not overwrite:
-        raise HFExportError(f"--target_dir {target_dir} is not empty (pass --overwrite to replace it)")
+    target = _checked_target(target_dir, checkpoint_dir, hf_model_dir, overwrite)
     checkpoint = DistCheckpoint(checkpoint_dir, load_model_spec(str(hf_model_dir)))
     dtype = checkpoint.dtype()
     shards = _plan_shards(checkpoint, dtype, int(shard_megabytes * 2**20))
-    tmp = target_dir.parent / f".{target_dir.name}.tmp"
+    tmp = target.parent / f".{target.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         copy_hf_files(hf_model_dir, tmp)
@@ -69,10 +70,45 @@ def export_hf(checkpoint_dir: Path, target_dir: Path, hf_model_dir: Path, shard_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half written
         raise
-    if target_dir.exists():
-        shutil.rmtree(target_dir)
-    tmp.rename(target_dir)
+    if target.exists():  # the previous export, set aside until the new one is in place
+        old = target.parent / f".{target.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(target)
     return {"tensors": len(weight_map), "bytes": total, "shards": len(shards)}
+
+
+def _checked_target(target_dir: Path, checkpoint_dir: Path, hf_model_dir: Path, overwrite: bool) -> Path:
+    """``target_dir`` as a real path, refused where writing it would remove what the export did
+    not write: the working directory, the checkpoint, the base model, a folder holding any of them,
+    or (with ``overwrite``) a folder with anything but a previous export in it."""
+    target = target_dir.resolve()
+    for what, path in (("the current directory", Path.cwd()), ("the checkpoint", checkpoint_dir),
+                       ("the base model", hf_model_dir)):
+        path = path.resolve()
+        if target == path or target in path.parents:
+            relation = "is" if target == path else "holds"
+            raise HFExportError(f"--target_dir {target_dir} {relation} {what} ({path}), which replacing it would "
+                                "remove: name a new directory for the export")
+    if not target.exists():
+        return target
+    if not target.is_dir():
+        raise HFExportError(f"--target_dir {target_dir} is a file: name a directory")
+    entries = sorted(target.iterdir())
+    if entries and not overwrite:
+        raise HFExportError(f"--target_dir {target_dir} is not empty (pass --overwrite to replace an earlier export)")
+    ours = {"config.json", "generation_config.json", INDEX_FILE,
+            *(f.name for f in hf_model_dir.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))}
+    foreign = [e.name + "/" * e.is_dir() for e in entries
+               if e.is_dir() or not (e.name in ours or SHARD_PATTERN.fullmatch(e.name))]
+    if foreign:
+        raise HFExportError(f"--target_dir {target_dir} holds files an export does not write "
+                            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); --overwrite replaces "
+                            "only an earlier export: name a new or empty directory")
+    return target
 
 
 def _plan_shards(checkpoint: DistCheckpoint, dtype: torch.dtype, limit: int) -> list[list[str]]:
