@@ -23,6 +23,7 @@ import shlex
 import sys
 import time
 from typing import Sequence
+from pathlib import Path
 
 import yaml
 
@@ -30,6 +31,7 @@ from megatron_bridge.atomic import write_text
 from megatron_bridge.configs import CONFIGS_DIR
 from megatron_bridge.errors import ConfigError
 from recipe.config import builtin_task, deep_merge, parse_overrides, read_yaml
+from recipe.run_dir import check_free
 from recipe.verl_compat import MISSING, get_dotted
 
 RUNTIME_ENV_DIR = os.path.join(CONFIGS_DIR, "runtime_env")
@@ -199,6 +201,8 @@ def prepare(args: argparse.Namespace) -> int:
         print(f"{'warning' if args.dry_run else 'error'}: {problem}", file=sys.stderr)
     if problems and not args.dry_run:
         raise MissingError(f"{len(problems)} input(s) missing on this node (above); fix the paths or the environment variables")
+    if args.role == "head" and not args.dry_run:
+        check_free(Path(run_dir))  # the job's driver holds it; refused here, before any node waits
 
     os.makedirs(args.out_dir, exist_ok=True)
     write_text(os.path.join(args.out_dir, "runtime_env.yaml"), yaml.safe_dump(env, sort_keys=False))

@@ -13,6 +13,8 @@
     besides the weights: ``python -m recipe.model_merger``);
   - ``trainer_state.json``: step, sampler position, adaptive KL coefficient.
 
+One run at a time: a run holds ``.run.lock`` in its directory for its life (``hold``).
+
 A checkpoint is written into ``checkpoints/.global_step_K.tmp`` and renamed into place once
 complete (``publish``), so an unfinished save is never resumed from. Writing a checkpoint takes the
 workers: ``recipe.driver.checkpoint``. Importing this module is cheap (what reads a checkpoint's
@@ -21,11 +23,17 @@ metadata is imported when asked for): the commands' ``--help`` uses it.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from megatron_bridge.atomic import write_text
 from megatron_bridge.errors import ConfigError
@@ -41,6 +49,96 @@ CHECKPOINT_PREFIX = "global_step_"
 ACTOR_DIR = "actor"
 HF_DIR = "huggingface"
 TRAINER_STATE = "trainer_state.json"
+LOCK_FILE = ".run.lock"
+
+
+class RunDirInUse(ConfigError):
+    """Another run holds the run directory; the message names it."""
+
+
+_held: dict[Path, tuple[IO[str], int]] = {}  # this process's holds: lock file, depth
+
+
+@contextmanager
+def hold(directory: Path) -> Iterator[None]:
+    """Hold ``directory`` for this process's run, or refuse naming the run that holds it. The hold is
+    an exclusive ``flock`` on its ``LOCK_FILE``, which the kernel drops when the process ends however it
+    ends, so a dead run's lock is no lock; the holder's pid, host and start are written in it for the
+    message. Where the file system has no locks (some network file systems) the record decides: a
+    live pid on this host, or any record from another host, holds it. Nested holds of one process
+    (``recipe.compare`` around ``train``) are one."""
+    directory = directory.resolve()
+    if directory in _held:
+        file, depth = _held[directory]
+        _held[directory] = (file, depth + 1)
+        try:
+            yield
+        finally:
+            _held[directory] = (file, depth)
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    file = open(directory / LOCK_FILE, "a+")
+    try:
+        _lock(file, directory)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps(me) + "\n")
+        file.flush()
+    except BaseException:
+        file.close()
+        raise
+    _held[directory] = (file, 1)
+    try:
+        yield
+    finally:
+        del _held[directory]
+        file.truncate(0)  # no record: where there are no locks, the record is the lock
+        file.close()  # drops the lock
+
+
+def check_free(directory: Path) -> None:
+    """Refuse now if another run holds ``directory`` (for a command that starts a run elsewhere)."""
+    if directory.is_dir():
+        with hold(directory):
+            pass
+
+
+def _lock(file: IO[str], directory: Path) -> None:
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        holder, gone = _holder(file), ""
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        holder = _holder(file)
+        if not holder or (holder.get("host") == socket.gethostname() and not _alive(holder.get("pid"))):
+            return  # no record, or one of a run on this host that has ended
+        gone = f"; if that run has ended, remove {directory / LOCK_FILE}"
+    who = (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}" if holder
+           else "its record is not written yet")
+    raise RunDirInUse(f"trainer.default_local_dir={directory} is in use by another run ({who}): wait for it to end, "
+                      f"stop it, or give this run another trainer.default_local_dir{gone}")
+
+
+def _holder(file: IO[str]) -> dict:
+    file.seek(0)
+    try:
+        return json.loads(file.read() or "{}")
+    except ValueError:
+        return {}
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def staging(directory: Path, step: int) -> Path:
@@ -94,6 +192,9 @@ def resume_point(t: TrainerConfig, directory: Path) -> tuple[Path | None, list[t
         return None, []
     if t.resume_mode == "resume_path":
         path = Path(t.resume_from_path)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"trainer.resume_from_path={path} is a file, not a checkpoint directory: give a checkpoint "
+                              f"directory (<run dir>/{CHECKPOINTS_DIR}/{CHECKPOINT_PREFIX}K)")
         if not path.is_dir():
             raise ConfigError(f"trainer.resume_from_path={path} does not exist: give a checkpoint directory "
                               f"(<run dir>/{CHECKPOINTS_DIR}/{CHECKPOINT_PREFIX}K)")

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config
-from recipe.compare.runs import _seeds, finished, plan_runs, read_training_pool, run_comparison
+from recipe.compare.runs import _seeds, effective_config, finished, plan_runs, read_training_pool, run_comparison
 from recipe.compare.variants import VARIANT_FILE, variant_overrides
 from recipe.tracking.loggers import read_jsonl
 
@@ -112,22 +112,32 @@ def test_runs_share_seeds_and_keep_the_variant_last(tmp_path):
 
 def test_a_run_is_finished_when_its_last_step_is_logged(tmp_path):
     (run,) = plan_runs(str(tmp_path), ["grpo"], [1], [], TINY_POOL)
-    assert not finished(run)
+    cfg = load_config("configs/recipe/tiny_gspo.yaml", list(run.overrides))
+    assert not finished(run, cfg)
     Path(run.directory).mkdir(parents=True)
-    (Path(run.directory) / VARIANT_FILE).write_text(json.dumps({"overrides": list(run.overrides)}))
+    (Path(run.directory) / VARIANT_FILE).write_text(json.dumps({
+        "config": "configs/recipe/tiny_gspo.yaml", "overrides": list(run.overrides),
+        "effective_config": effective_config(cfg)}))
     (Path(run.directory) / "provenance.json").write_text(json.dumps({"total_steps": 3}))  # the trainer's, at start
     metrics = Path(run.directory) / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "critic/score/mean": 0.0}) + "\n" for s in (0, 1, 2)))
-    assert not finished(run)
+    assert not finished(run, cfg)
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 3, "critic/score/mean": 0.0}) + "\n")
-    assert finished(run)
+    assert finished(run, cfg)
     # the same directory asked to hold other settings: refused, nothing overwritten
     (other,) = plan_runs(str(tmp_path), ["grpo"], [1], ["actor_rollout_ref.actor.optim.lr=1e-4"], TINY_POOL)
     with pytest.raises(ConfigError, match="holds a run with other settings") as info:
-        finished(other)
+        finished(other, load_config("configs/recipe/tiny_gspo.yaml", list(other.overrides)))
     # both sides of the difference: what the directory has, what is asked
     assert "it has (nothing) where this comparison asks for actor_rollout_ref.actor.optim.lr=1e-4" in str(info.value)
+    # the same overrides on another recipe: its effective config differs, and the keys are named
+    long = load_config("configs/recipe/tiny_long.yaml", list(run.overrides))
+    with pytest.raises(ConfigError, match=re.escape(f"{run.directory} holds a run of another config (from "
+                                                    "configs/recipe/tiny_gspo.yaml): ")) as info:
+        finished(run, long)
+    assert re.search(r"data\.max_response_length \d+ there, \d+ here", str(info.value)), info.value
+    assert str(info.value).endswith(f"({VARIANT_FILE}); pass another --out or delete that directory")
 
 
 @pytest.mark.parametrize("text, says", [

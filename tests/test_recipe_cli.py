@@ -57,6 +57,7 @@ def test_bad_parquet_row_is_named(tmp_path, capsys, bad, field):
 
 @pytest.mark.parametrize("make, what", [
     (lambda p: None, "does not exist: give a checkpoint directory"),
+    (lambda p: p.write_text(""), "is a file, not a checkpoint directory: give a checkpoint directory"),
     (Path.mkdir, "is not a complete checkpoint: trainer_state.json is missing; actor/ is missing; give another one"),
 ])
 def test_resume_from_path_not_a_checkpoint_fails_before_anything_starts(tmp_path, capsys, make, what):

@@ -495,11 +495,12 @@ def _write_plots(directory: str, groups: dict[str, list[Run]], summary: Summary)
 
 
 
-def _flatten(config: dict, prefix: str = "") -> dict[str, str]:
+def flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as dotted keys and their values in JSON."""
     out: dict[str, str] = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = json.dumps(value, default=str)
     return out
@@ -534,7 +535,7 @@ def confounds(groups: dict[str, list[Run]]) -> list[str]:
     runs = [run for group in groups.values() for run in group]
     if any(run.config is None for run in runs) or len(groups) < 2:
         return [f"Not checked: {'a run has no ' + CONFIG_FILE if len(groups) > 1 else 'one variant only'}."]
-    flat = {variant: [_flatten(run.config) for run in group] for variant, group in groups.items()}
+    flat = {variant: [flatten(run.config) for run in group] for variant, group in groups.items()}
     named_keys = {variant: _named_by(variant) for variant in groups}
     keys = sorted({key for configs in flat.values() for values in configs for key in values} - set(RUN_IDENTITY))
     values = {key: {variant: {v.get(key, MISSING) for v in configs} for variant, configs in flat.items()} for key in keys}
@@ -584,7 +585,7 @@ def same_start(groups: dict[str, list[Run]]) -> list[str]:
 def _config_differences(runs: Sequence[Run]) -> list[str]:
     if all(run.config is None for run in runs):
         return [f"No run directory has a {CONFIG_FILE}."]
-    flat = [_flatten(run.config) if run.config is not None else {} for run in runs]
+    flat = [flatten(run.config) if run.config is not None else {} for run in runs]
     keys = sorted({key for values in flat for key in values if len({v.get(key) for v in flat}) > 1})
     if not keys:
         return [f"The runs' {CONFIG_FILE} files agree on every key."]

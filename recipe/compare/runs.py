@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_bridge.errors import ConfigError
-from recipe.compare.report import ReportError, Rule, write_report
+from recipe.compare.report import ReportError, Rule, flatten, write_report
 from recipe.compare.variants import ALGOS, VARIANT_FILE, VARIANT_PARTS, variant_overrides
-from recipe.config import load_config, seed_rule
+from recipe.config import RecipeConfig, config_to_dict, load_config, seed_rule
 from recipe.main import run_reporting
-from recipe.run_dir import CHECKPOINTS_DIR, PROVENANCE_FILE, to_resume, trainer_state
+from recipe.run_dir import CHECKPOINTS_DIR, PROVENANCE_FILE, check_free, hold, to_resume, trainer_state
 from recipe.tracking.loggers import METRICS_FILE, read_jsonl
 
 DEFAULT_VARIANTS = "grpo,grpo_r2,gspo"
@@ -67,22 +67,35 @@ def plan_runs(out: str, variants: list[str], seeds: list[int], overrides: list[s
     return runs
 
 
-def finished(run: Run) -> bool:
+def effective_config(cfg: RecipeConfig) -> dict:
+    """The run's whole config as JSON holds it (what ``VARIANT_FILE`` records)."""
+    return json.loads(json.dumps(config_to_dict(cfg), default=str))
+
+
+def finished(run: Run, cfg: RecipeConfig) -> bool:
     """The run logged its last step (its length is in provenance.json from its start). A run dir
-    made with other settings is refused."""
+    made with other settings is refused: other overrides, or another effective config ``cfg`` (the
+    recipe file, its defaults, the seeds)."""
     marker = os.path.join(run.directory, VARIANT_FILE)
     if not os.path.isfile(marker):
         return False
     with open(marker) as f:
         recorded = json.load(f)
     held, asked = recorded.get("overrides") or [], list(run.overrides)
+    fix = f"({VARIANT_FILE}); pass another --out or delete that directory"
     if held != asked:
         only_held = [o for o in held if o not in asked] or ["(nothing)"]
         only_asked = [o for o in asked if o not in held] or ["(nothing)"]
-        raise ConfigError(
-            f"{run.directory} holds a run with other settings: it has {' '.join(only_held)} where this "
-            f"comparison asks for {' '.join(only_asked)} ({VARIANT_FILE}); pass another --out or delete that directory"
-        )
+        raise ConfigError(f"{run.directory} holds a run with other settings: it has {' '.join(only_held)} where this "
+                          f"comparison asks for {' '.join(only_asked)} {fix}")
+    if "effective_config" in recorded:  # older runs recorded the overrides only
+        was, now = flatten(recorded["effective_config"]), flatten(effective_config(cfg))
+        differ = sorted(key for key in was.keys() | now.keys() if was.get(key) != now.get(key))
+        if differ:
+            shown = "; ".join(f"{key} {was.get(key, '(none)')} there, {now.get(key, '(none)')} here" for key in differ[:3])
+            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+            raise ConfigError(f"{run.directory} holds a run of another config (from {recorded.get('config')}): "
+                              f"{shown}{more} {fix}")
     metrics, provenance = os.path.join(run.directory, METRICS_FILE), os.path.join(run.directory, PROVENANCE_FILE)
     if not (os.path.isfile(metrics) and os.path.isfile(provenance)):
         return False
@@ -114,17 +127,19 @@ def run_comparison(config: str, variants: list[str], seeds: list[int], out: str,
 
     runs = plan_runs(out, variants, seeds, overrides, read_training_pool(config, overrides))
     configs = [_load(config, run) for run in runs]  # every error before anything runs
-    todo = [(run, cfg) for run, cfg in zip(runs, configs) if not finished(run)]
+    todo = [(run, cfg) for run, cfg in zip(runs, configs) if not finished(run, cfg)]
+    for run, _ in todo:
+        check_free(Path(run.directory))  # another process runs it: refused before any run starts
     for run, cfg in zip(runs, configs):
         state = "finished" if not any(run is r for r, _ in todo) else _start_state(run, cfg)
         print(f"{run.variant} seed {run.seed}: {run.directory} ({state})")
     for i, (run, cfg) in enumerate(todo, 1):
         print(f"== [{i}/{len(todo)}] {run.variant}, seed {run.seed} ==", flush=True)
-        os.makedirs(run.directory, exist_ok=True)
-        with open(os.path.join(run.directory, VARIANT_FILE), "w") as f:
-            json.dump({"variant": run.variant, "seed": run.seed, "config": config, "overrides": list(run.overrides)}, f,
-                      indent=2)
-        train(cfg)
+        with hold(Path(run.directory)):  # the trainer's own hold is this one
+            with open(os.path.join(run.directory, VARIANT_FILE), "w") as f:
+                json.dump({"variant": run.variant, "seed": run.seed, "config": config, "overrides": list(run.overrides),
+                           "effective_config": effective_config(cfg)}, f, indent=2)
+            train(cfg)
     return runs
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import signal
 import zlib
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -110,6 +111,7 @@ class Trainer:
         self.generation: GenerationStrategy | None = None  # on-policy, or the asynchronous modes' schedule
         self.pending_save: Path | None = None  # a background save's temporary directory
         self.unpublished: Path | None = None  # this step's complete checkpoint, put in place after its line
+        self.holds = ExitStack()  # the run directory's lock, from start() to close()
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -117,9 +119,11 @@ class Trainer:
         """Start the workers and restore the latest checkpoint if resuming. What the run reads and
         writes is checked first: the checkpoint to resume from, the run directory."""
         cfg, t = self.cfg, self.cfg.trainer
-        resume, damaged = run_dir.resume_point(t, self.ckpt_dir)
+        run_dir.resume_point(t, self.ckpt_dir)  # a bad resume_from_path is refused before anything is written
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.holds.enter_context(run_dir.hold(self.dir))  # one run per directory, until close()
+            # again, now that no other run can write here: its newest checkpoint counts
+            resume, damaged = run_dir.resume_point(t, self.ckpt_dir)
             (self.dir / run_dir.CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2, default=str))
             for stale in run_dir.remove_stale(self.ckpt_dir):
                 tqdm.write(f"removed {stale}: a checkpoint a stopped run did not finish writing")
@@ -425,6 +429,7 @@ class Trainer:
             if group is not None:
                 group.close()
         self.workers = self.rollout_workers = None
+        self.holds.close()
 
 
 def prompt_hash(prompts: list) -> float:
