@@ -136,6 +136,22 @@ def missing_paths(cfg, role: str) -> list[str]:
             if not builtin_task(path) and not os.path.exists(path)]
 
 
+def check_node_addresses(head_ip: str, node_ips: str, needed: int) -> None:
+    """NODE_IPS, when given, lists the run's nodes once each, the head (MASTER_ADDR) among them:
+    what the join wait names as missing and the pools are described from."""
+    if not node_ips:
+        return
+    ips = [ip.strip() for ip in node_ips.split(",") if ip.strip()]
+    if len(set(ips)) < len(ips):
+        raise ConfigError(f"NODE_IPS={node_ips}: an address is listed twice; list each node once")
+    if len(ips) != needed:
+        raise ConfigError(f"NODE_IPS={node_ips} lists {len(ips)} address(es) but the run takes {needed} node(s) "
+                          "(NNODES, plus ROLLOUT_NNODES for a rollout pool of its own): list exactly the run's nodes")
+    if head_ip not in ips:
+        raise ConfigError(f"NODE_IPS={node_ips} does not list the head {head_ip} (MASTER_ADDR, resolved): set "
+                          "MASTER_ADDR to the head node's address, one of NODE_IPS, the same on every node")
+
+
 def describe_pools(cfg, head_ip: str, node_ips: str) -> list[str]:
     """Which nodes train and which generate, as the run will pick them (``pick_nodes``: the head
     first, then by address; the rollout pool on nodes the training pool does not hold). Named from
@@ -185,6 +201,7 @@ def prepare(args: argparse.Namespace) -> int:
                         ("MODEL_PATH", model.path), ("TRAIN_FILE", ",".join(cfg.data.train_files)),
                         ("VAL_FILE", ",".join(cfg.data.val_files)), ("CKPT_DIR", run_dir)):
         print(f"  {name:<14} {value}")
+    check_node_addresses(args.head_ip, args.node_ips, nodes_needed(cfg.layout))
     for line in describe_pools(cfg, args.head_ip, args.node_ips):
         print(line)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -140,7 +140,7 @@ def find_models(path: Path) -> tuple[list[Model], Path | None]:
     """The models ``--model`` stands for, and the run directory whose settings apply (None: none)."""
     if not path.exists():
         raise EvalError(f"--model {path}: no such file or directory; give {MODEL_KINDS}")
-    if (path / CHECKPOINTS_DIR).is_dir() and (path / CONFIG_FILE).is_file():
+    if (path / CONFIG_FILE).is_file() and ((path / CHECKPOINTS_DIR).is_dir() or (path / PROVENANCE_FILE).is_file()):
         provenance = path / PROVENANCE_FILE
         try:
             base = Path(json.loads(provenance.read_text())["model_dir"])
@@ -148,6 +148,9 @@ def find_models(path: Path) -> tuple[list[Model], Path | None]:
             raise EvalError(f"--model {path}: the run's {PROVENANCE_FILE} cannot be read for the base model ({e}); "
                             "give a run directory the trainer started, or a checkpoint of it") from e
         found = [_checked(c.name, _step(c), c / ACTOR_DIR) for c in checkpoints(path / CHECKPOINTS_DIR)]
+        if not found:
+            print(f"{path}: no checkpoint yet (the run stopped before its first save): evaluating its base model "
+                  f"{base} (step 0) alone", file=sys.stderr)
         return [Model("base", 0, base, checkpoint=False), *found], path
     if path.is_dir() and ((path / "metadata.json").is_file() or (path / ACTOR_DIR / "metadata.json").is_file()):
         actor = actor_dir(path)
@@ -157,7 +160,7 @@ def find_models(path: Path) -> tuple[list[Model], Path | None]:
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return [Model(path.name, None, path, checkpoint=False)], None
     raise EvalError(f"--model {path}: neither a HF model directory (config.json and *.safetensors), a checkpoint "
-                    f"(metadata.json in it or in its {ACTOR_DIR}/) nor a run directory (checkpoints/ and {CONFIG_FILE}); "
+                    f"(metadata.json in it or in its {ACTOR_DIR}/) nor a run directory ({CONFIG_FILE} with checkpoints/ or {PROVENANCE_FILE}); "
                     "give one of those")
 
 

@@ -253,13 +253,19 @@ def _load_refusal(rank, world_size, model, directory):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_another_model_is_refused_by_name(written, tmp_path):
-    """A resume with a model whose expert width differs: a config error naming the checkpoint."""
-    other = save_tiny_checkpoint(tmp_path / "other", seed=1, moe_intermediate_size=48)
+@pytest.mark.parametrize("differs", [dict(moe_intermediate_size=48), dict(num_local_experts=4), dict(num_hidden_layers=2),
+                                     dict(vocab_size=384)], ids=lambda d: next(iter(d)))
+def test_a_checkpoint_of_another_model_is_refused_by_name(written, tmp_path, differs):
+    """A resume with a model of other widths, expert count, depth or vocabulary: a config error
+    naming the checkpoint, never "damaged" (the advice for which is to move it away)."""
+    other = save_tiny_checkpoint(tmp_path / "other", seed=1, **differs)
     for kind, message in run_ranks(_load_refusal, 2, tmp_path, other, str(written[2])):
         assert kind == "ConfigError", message
         assert message.startswith(f"checkpoint {written[2]} does not fit this model: "), message
         assert "trainer.resume_mode=disable" in message and "\n" not in message
+        field = {"moe_intermediate_size": "moe_ffn_hidden_size", "num_local_experts": "num_experts",
+                 "num_hidden_layers": "num_layers", "vocab_size": "vocab_size"}[next(iter(differs))]
+        assert re.search(rf": {field} \d+ there, {next(iter(differs.values()))} here", message), message
 
 
 def test_planned_checkpoint_size_matches_the_files(written):

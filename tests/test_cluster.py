@@ -274,3 +274,18 @@ def test_other_local_ray_start_errors_are_not_retried(monkeypatch):
     with pytest.raises(ValueError, match="bad option"):
         group.init_ray("cpu", 1)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("head, node_ips, says", [
+    ("127.0.0.1", "10.0.0.1,10.0.0.2", "does not list the head 127.0.0.1 (MASTER_ADDR, resolved): set MASTER_ADDR"),
+    ("10.0.0.1", "10.0.0.1,10.0.0.2,10.0.0.3", "lists 3 address(es) but the run takes 2 node(s)"),
+    ("10.0.0.1", "10.0.0.1", "lists 1 address(es) but the run takes 2 node(s)"),
+    ("10.0.0.1", "10.0.0.1,10.0.0.1", "an address is listed twice"),
+], ids=["no_master_addr", "too_many", "too_few", "twice"])
+def test_node_addresses_that_disagree_are_refused_in_a_dry_run(tmp_path, capsys, head, node_ips, says):
+    args = ["prepare", "--recipe", "qwen3_30b_a3b_grpo", "--out-dir", str(tmp_path / "out"), "--dry-run",
+            "--parallel", "qwen3_30b_a3b_4x8_a2", "--nnodes", "2", "--devices-per-node", "16", "--head-ip", head]
+    assert main(args + ["--node-ips", node_ips]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(args + ["--node-ips", "10.0.0.2,10.0.0.1"] if head == "10.0.0.1" else args) == 0

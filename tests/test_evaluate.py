@@ -105,6 +105,24 @@ def test_a_checkpoint_with_samples(run_dir, tmp_path):
     assert not (tmp_path / "eval" / "score.png").exists()  # one model: nothing to plot against steps
 
 
+@pytest.mark.slow
+def test_a_run_stopped_before_its_first_save_evaluates_its_base_model(run_dir, tmp_path):
+    """What such a run leaves: its config and provenance, no checkpoints/ yet."""
+    stopped = tmp_path / "run"
+    stopped.mkdir()
+    for name in ("config.json", "provenance.json"):
+        shutil.copy(run_dir / name, stopped / name)
+    out = evaluate("--model", str(stopped), "--out", str(tmp_path / "eval"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    base = json.loads((run_dir / "provenance.json").read_text())["model_dir"]
+    assert (f"{stopped}: no checkpoint yet (the run stopped before its first save): evaluating its base model "
+            f"{base} (step 0) alone") in out.stderr
+    (model,) = json.loads((tmp_path / "eval" / "results.json").read_text())["models"]
+    logged = {m["step"]: m for m in read_jsonl(str(run_dir / "metrics.jsonl"))}
+    assert (model["label"], model["step"]) == ("base", 0)
+    assert model["results"]["math_dapo"]["greedy_acc"] == logged[0]["val/acc/mean"]  # the run's own settings
+
+
 # --- bad inputs ---------------------------------------------------------------------------------------
 
 

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from megatron_bridge.runtime.actor import MegatronActor
 
 RNG_KEY = "rng_state"
+MODEL_SHAPE_KEY = "model_shape"
+MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "num_experts",
+                      "moe_ffn_hidden_size", "vocab_size", "tie_word_embeddings")
 OPTIMIZER_KEY = "optimizer"
 
 
@@ -75,7 +78,13 @@ def load(actor: "MegatronActor", directory: str) -> bool:
     numpy2_compat()
     check_complete(directory)
     common = dist_checkpointing.load_common_state_dict(Path(directory))
-    same_layout = {k: common.get(k) for k in ("world_size", "train_layout")} == _layout(actor)
+    refuse = "; resume it with the model it was written for, or start afresh (trainer.resume_mode=disable)"
+    written_for, here = common.get(MODEL_SHAPE_KEY), _model_shape(actor)
+    if written_for is not None and written_for != here:  # checkpoints from before the key: megatron's checks below
+        differ = [f"{k} {written_for.get(k)} there, {here[k]} here" for k in here if written_for.get(k) != here[k]]
+        raise ConfigError(f"checkpoint {directory} does not fit this model: {'; '.join(differ)}{refuse}")
+    layout = _layout(actor)
+    same_layout = all(common.get(k) == layout[k] for k in ("world_size", "train_layout"))
     state, optimizers = sharded_state_dict(actor, loading=True)
     if same_layout:
         state[RNG_KEY] = _rng_object(None)
@@ -84,12 +93,12 @@ def load(actor: "MegatronActor", directory: str) -> bool:
         loaded = dist_checkpointing.load(state, directory, strategy)
     except (CheckpointingException, CheckpointException) as e:
         # torch's loader gathers every rank's failure (CheckpointException); megatron's own checks of
-        # the stored shards against this model's (CheckpointingException) mean another model
+        # the stored shards against this model's (CheckpointingException) mean another model, as
+        # does a tensor this model has and the checkpoint lacks (another depth)
         rank, failure = (0, e) if isinstance(e, CheckpointingException) else _first_failure(e)
-        if isinstance(failure, CheckpointingException):
-            raise ConfigError(f"checkpoint {directory} does not fit this model: {str(failure).splitlines()[0]}; "
-                              "resume it with the model it was written for, or start afresh "
-                              "(trainer.resume_mode=disable)") from e
+        if isinstance(failure, CheckpointingException) or str(failure).startswith("Missing key in checkpoint"):
+            raise ConfigError(f"checkpoint {directory} does not fit this model: {str(failure).splitlines()[0]}"
+                              f"{refuse}") from e
         raise CheckpointFilesError(
             f"checkpoint {directory} is damaged: reading its tensors failed on rank {rank} "
             f"({type(failure).__name__}: {failure}); resume from an earlier checkpoint "
@@ -162,7 +171,15 @@ class _OptimizerState:
 
 
 def _layout(actor: "MegatronActor") -> dict:
-    return {"world_size": torch.distributed.get_world_size(), "train_layout": actor.train.layout_only}
+    return {"world_size": torch.distributed.get_world_size(), "train_layout": actor.train.layout_only,
+            MODEL_SHAPE_KEY: _model_shape(actor)}
+
+
+def _model_shape(actor: "MegatronActor") -> dict:
+    """What sets the checkpoint's tensor shapes. Megatron checks most shapes itself, but lets the
+    embedding and output layer differ (their padded vocabulary depends on TP) and loads the overlap,
+    so another vocabulary or expert count would load without a word."""
+    return {field: getattr(actor.spec, field) for field in MODEL_SHAPE_FIELDS}
 
 
 @contextmanager
