@@ -136,7 +136,7 @@ def measure(rank: int, train: TrainParallel, checkpoint: str, work: Path, repeat
         start = time.perf_counter()
         dist_checkpoint.save(actor, str(async_dir), queue)
         out["blocked_s"].append(time.perf_counter() - start)
-        dist_checkpoint.finish_saves(queue)
+        dist_checkpoint.finish_saves(queue, actor, str(async_dir))
         out["async_done_s"].append(time.perf_counter() - start)
         fresh = build_actor(train, checkpoint)  # built outside the timing: a resume builds it anyway
         out["load_s"].append(timed(partial(dist_checkpoint.load, fresh, str(sync_dir))))

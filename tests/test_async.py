@@ -878,6 +878,20 @@ def test_a_rollout_rank_that_dies_in_the_weight_broadcast_is_named(tmp_path, fre
 
 
 @pytest.mark.slow
+def test_a_rollout_rank_that_stalls_in_the_weight_broadcast_fails_the_send_in_time(tmp_path, fresh_ray):
+    """The rollout rank stops answering in step 1's weight broadcast (as a stopped process would):
+    the send gives up after async_training.weight_sync_timeout_s and the run ends with one line
+    naming the weight sync and training rank 0, not a wait without end on the stalled rank."""
+    status, message, node = _failed_run(tmp_path, "rollout_stalls", ONE_ROLLOUT_RANK, lambda trainer: _plant(
+        trainer.rollout_workers.workers[0], "weights.broadcast", 1, "stall"))
+    assert status == 1
+    assert re.fullmatch(r"error: weight sync to the rollout pool over gloo failed in the broadcast from training rank 0: "
+                        r".*\(each rank waits async_training.weight_sync_timeout_s=3 s for the others: raise it if the "
+                        r"export is that slow, else a peer died or stalled\)", message[0]), message
+    assert message[1] == f"  (raised by worker rank 0 on node {node} during weight sync)", message
+
+
+@pytest.mark.slow
 def test_a_weight_broadcast_that_times_out_is_one_error_naming_the_weight_sync(tmp_path, fresh_ray):
     """Training rank 0 stalls before step 1's broadcast (as it would behind a hung export): the rollout
     rank gives up after async_training.weight_sync_timeout_s, and the run ends with one line saying the

@@ -75,7 +75,7 @@ def _steps(rank, world_size, checkpoint, batches, train_kwargs, directory, save,
     metrics = update(batches[1])
     if queue is not None:
         assert not os.path.exists(os.path.join(directory, "metadata.json"))  # written when finished
-        dist_checkpoint.finish_saves(queue)
+        dist_checkpoint.finish_saves(queue, actor, directory)
     torch.save([(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(actor.chunks, spec)],
                f"{out_prefix}_gspo_rank{rank}.pt")
     return {**metrics, "max_grad": max_grad(actor), "steps": actor.steps, "restored": restored, "rng": rng,
@@ -231,6 +231,61 @@ def test_incomplete_checkpoint_is_named(written, tmp_path):
     os.remove(directory / ".metadata")
     with pytest.raises(CheckpointFilesError, match=r"\.metadata is missing"):
         check_complete(directory)
+
+
+def _save_beyond_a_size_limit(rank, world_size, model, directory, async_save):
+    """What saving into ``directory`` raises when no file may grow past 64 KiB (RLIMIT_FSIZE: the
+    kernel fails the write as a full disk would, EFBIG for ENOSPC), as (type, message)."""
+    import resource
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.runtime import checkpoint as dist_checkpoint
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.optim import OptimConfig
+
+    train = TrainParallel(**WRITER)
+    initialize_parallel(train)
+    actor = MegatronActor(load_model_spec(model), train, BuildOptions(params_dtype=torch.float32),
+                          OptimConfig(**OPTIM), "cpu")
+    queue = AsyncCallsQueue() if async_save else None
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the signal ending the process
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
+    try:
+        dist_checkpoint.save(actor, directory, queue)
+        if queue is not None:
+            dist_checkpoint.finish_saves(queue, actor, directory)
+    except Exception as e:  # noqa: BLE001  (the test reads what it was)
+        return [type(e).__name__, str(e)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_write_that_fails_is_one_line_naming_the_directory_and_the_size(written, tmp_path, async_save):
+    """A full disk (here: a file size limit, which fails the write the same way) during a save, in
+    the foreground or in megatron's background writer: one line naming the checkpoint, the free
+    space, what a checkpoint takes and the fix; the checkpoint is left incomplete, so never resumed."""
+    from megatron_bridge.plan.memory import checkpoint_bytes
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.weights.dist_checkpoint import damage
+
+    model, directory = written[0], tmp_path / "full"
+    total = checkpoint_bytes(load_model_spec(str(model)), world_size=2, weight_bytes=4)[0]
+    for kind, message in run_ranks(_save_beyond_a_size_limit, 2, tmp_path, model, str(directory), async_save):
+        assert kind == "CheckpointWriteError", message
+        assert re.fullmatch(
+            rf"writing checkpoint {re.escape(str(directory))} failed \(.+\): its file system has [\d.]+ GiB free and a "
+            rf"checkpoint of this model takes about {total / 2**30:.2f} GiB \(all ranks\); free space or give "
+            r"trainer.default_local_dir a larger disk \(max_actor_ckpt_to_keep bounds how many are kept\), then "
+            r"re-run: it resumes from the last complete checkpoint", message), message
+    assert damage(directory)  # incomplete: resume skips it
 
 
 def _load_refusal(rank, world_size, model, directory):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_bridge.errors import ConfigError
+from megatron_bridge.errors import ConfigError, UserError
 from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, check_complete
 
 if TYPE_CHECKING:
@@ -57,14 +58,49 @@ def save(actor: "MegatronActor", directory: str, queue=None) -> None:
     state[RNG_KEY] = _rng_object(_rng_state())
     os.makedirs(directory, exist_ok=True)
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _parallel_group())
-    request = dist_checkpointing.save(state, directory, strategy, async_sharded_save=queue is not None)
+    with _writing(actor, directory):
+        request = dist_checkpointing.save(state, directory, strategy, async_sharded_save=queue is not None)
     if queue is not None:
         queue.schedule_async_request(request)
 
 
-def finish_saves(queue) -> None:
-    """Wait until every rank's pending saves are written, then finalize them (collective)."""
-    queue.maybe_finalize_async_calls(blocking=True)
+def finish_saves(queue, actor: "MegatronActor", directory: str) -> None:
+    """Wait until every rank's pending saves (into ``directory``) are written, then finalize them
+    (collective)."""
+    with _writing(actor, directory):
+        queue.maybe_finalize_async_calls(blocking=True)
+
+
+class CheckpointWriteError(UserError, OSError):
+    """Writing a checkpoint's files failed: a full disk, a quota, a file size limit."""
+
+
+# How a failed write reaches a rank: an OSError, or torch.save's zip writer / megatron's writer
+# processes as a RuntimeError without the errno ("unexpected pos 704 vs 598", "Worker failure").
+_WRITE_FAILURES = ("No space left", "Disk quota", "File too large", "inline_container", "unexpected pos",
+                   "Worker failure")
+
+
+@contextmanager
+def _writing(actor: "MegatronActor", directory: str):
+    """A failed write as one line naming the directory, its file system's free space, what a
+    checkpoint of this model takes, and the fix."""
+    from megatron_bridge.plan.memory import checkpoint_bytes
+
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if not isinstance(e, OSError) and not any(s in str(e) for s in _WRITE_FAILURES):
+            raise
+        weight_bytes = next(actor.chunks[0].parameters()).element_size()
+        total, _ = checkpoint_bytes(actor.spec, torch.distributed.get_world_size(), weight_bytes)
+        free = shutil.disk_usage(next(p for p in (Path(directory), *Path(directory).parents) if p.exists())).free
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointWriteError(
+            f"writing checkpoint {directory} failed ({cause}): its file system has {free / 2**30:.2f} GiB free and a "
+            f"checkpoint of this model takes about {total / 2**30:.2f} GiB (all ranks); free space or give "
+            "trainer.default_local_dir a larger disk (max_actor_ckpt_to_keep bounds how many are kept), then re-run: "
+            "it resumes from the last complete checkpoint") from e
 
 
 def load(actor: "MegatronActor", directory: str) -> bool:

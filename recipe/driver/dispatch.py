@@ -25,7 +25,7 @@ from recipe.driver.rollouts import Rollout
 from recipe.rollout.base import Generation, SamplingParams
 from recipe.tracking.metrics import mean_metrics
 from recipe.workers.colocated import RankInfo
-from recipe.workers.group import WorkerGroup
+from recipe.workers.group import WorkerGroup, first_failure
 
 
 @dataclass
@@ -52,10 +52,12 @@ class PendingRollout:
 
 class Dispatch:
     def __init__(self, workers: WorkerGroup, infos: list[RankInfo], layout: Layout, spec: ModelSpec,
-                 rollout: WorkerGroup | None = None):
-        """``rollout``: the rollout pool's own workers, if it has them (else the training workers generate)."""
+                 rollout: WorkerGroup | None = None, sync_timeout_s: float | None = None):
+        """``rollout``: the rollout pool's own workers, if it has them (else the training workers
+        generate); ``sync_timeout_s``: how long its ranks may take to finish receiving once the
+        send has ended (``async_training.weight_sync_timeout_s``)."""
         self.workers, self.infos, self.spec = workers, infos, spec
-        self.rollout = rollout
+        self.rollout, self.sync_timeout_s = rollout, sync_timeout_s
         self.generators = rollout or workers
         self.dp_size = infos[0].dp_size
         self.rollout_dp, self.rollout_tp = layout.rollout.dp, layout.rollout.tp
@@ -191,13 +193,19 @@ class Dispatch:
 
     def sync_weights(self) -> dict[str, float]:
         """Every engine gets the actor's new weights; rank 0's timing and stream counts. A rollout
-        pool of its own receives them together with the training ranks' send, and is waited for
-        first: a rollout rank that died names itself instead of leaving the send waiting for it."""
+        pool of its own receives them together with the training ranks' send, and the side that
+        fails first is reported: a rollout rank that died names itself at once; one that stalls
+        (stopped, hung) fails the send after ``async_training.weight_sync_timeout_s``, or, where the
+        sent bytes fit in the sockets' buffers and the send ends, is named after that long."""
         if self.rollout is None:
             return self.workers.call("sync_weights", phase="weight sync")[0]
         sending = self.workers.submit("sync_weights")
-        self.rollout.call("sync_weights", phase="weight sync")
-        return self.workers.get(sending, "weight sync")[0]
+        receiving = self.rollout.submit("sync_weights")
+        if first_failure(receiving + sending, until=sending) in receiving:
+            self.rollout.get(receiving, "weight sync", self.sync_timeout_s)  # raises, naming the rank
+        sent = self.workers.get(sending, "weight sync")  # raises the send's error, naming its rank
+        self.rollout.get(receiving, "weight sync", self.sync_timeout_s)
+        return sent[0]
 
     def connect_rollout(self) -> None:
         """Open the weight group of training rank 0 and the rollout pool's ranks (both ends at once:

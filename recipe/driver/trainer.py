@@ -144,7 +144,8 @@ class Trainer:
             self.rollout_workers = WorkerGroup(rollout, device, per_node, taken=self.workers.node_ips)
             starting = self.rollout_workers.start_setup(cfg, self.model_dir)
         infos = self.workers.setup(cfg, self.model_dir)
-        self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec, self.rollout_workers)
+        self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec, self.rollout_workers,
+                                 cfg.async_training.weight_sync_timeout_s)
         self.dp_size = self.dispatch.dp_size
         self.generation = OnPolicy(self.dispatch, self.generation_request)
         tqdm.write("workers: " + _placement(infos))

@@ -60,6 +60,7 @@ class ActorWorker:
         self.actor.load_hf(model_dir)
         self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
         self.save_queue = None  # megatron's queue of background saves (actor.checkpoint.async_save)
+        self.saving_to = ""  # the directory of the save in progress
         if arr.actor.checkpoint.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -197,13 +198,14 @@ class ActorWorker:
 
         self._on_device(self.actor)
         checkpoint.save(self.actor, directory, self.save_queue)
+        self.saving_to = directory
 
     def finish_save(self) -> None:
         """Wait for the background save, with every rank (a no-op when saves are synchronous)."""
         from megatron_bridge.runtime import checkpoint
 
         if self.save_queue is not None:
-            checkpoint.finish_saves(self.save_queue)
+            checkpoint.finish_saves(self.save_queue, self.actor, self.saving_to)
 
     def load(self, directory: str) -> bool:
         """Load a checkpoint written under any layout; whether the RNG states came back too."""

@@ -256,6 +256,17 @@ class WorkerGroup:
             remove_placement_group(group)
 
 
+def first_failure(refs: list, until: list):
+    """Wait until every call of ``until`` (some of ``refs``) has ended, or one of ``refs`` has
+    failed: that one, else None. Calls still running then are the caller's."""
+    pending, awaited = list(refs), set(until)
+    while awaited.intersection(pending):
+        (ended,), pending = ray.wait(pending, num_returns=1)
+        if _failed(ended, Exception):
+            return ended
+    return None
+
+
 def _failed(ref, error: type) -> bool:
     try:
         ray.get(ref, timeout=0)
