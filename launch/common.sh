@@ -514,12 +514,17 @@ cluster_shape() {
 check_auth_token() {
   [[ $RAY_AUTH_MODE == token ]] || return 0
   local file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
-  [[ -n ${RAY_AUTH_TOKEN:-} || -s $file ]] && return 0
-  if [[ $NODE_ROLE == head ]]; then
-    ray get-auth-token --generate >/dev/null
-    log "generated Ray's auth token in $file: give it to every worker node (same file, or RAY_AUTH_TOKEN)"
-  else
-    die 2 "Ray token auth is on and this node has no token: copy the head's ~/.ray/auth_token here or set RAY_AUTH_TOKEN (or RAY_AUTH_MODE=disabled on every node of a trusted network)"
+  if [[ -z ${RAY_AUTH_TOKEN:-} && ! -s $file ]]; then
+    if [[ $NODE_ROLE == head ]]; then
+      ray get-auth-token --generate >/dev/null
+      log "generated Ray's auth token in $file: give it to every worker node (same file, or RAY_AUTH_TOKEN)"
+    else
+      die 2 "Ray token auth is on and this node has no token: copy the head's ~/.ray/auth_token here or set RAY_AUTH_TOKEN (or RAY_AUTH_MODE=disabled on every node of a trusted network)"
+    fi
+  fi
+  # The token is the cluster's password (Ray writes it readable by all): its owner's alone.
+  if [[ -s $file && $(stat -c %a "$file") != 600 ]]; then
+    chmod 600 "$file" && log "made $file readable by its owner only (it is the Ray cluster's password)"
   fi
 }
 

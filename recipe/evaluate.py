@@ -319,6 +319,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     # a checkpoint carries its base model's config and tokenizer: enough to build the engine
     config_dir = models[0].path / HF_DIR if models[0].checkpoint else models[0].path
     cfg, from_run = run_config(run, config_dir)
+    reward_file = cfg.custom_reward_function.path
+    if from_run and reward_file and not args.trust_reward_file:
+        raise EvalError(f"{run / CONFIG_FILE} scores with {reward_file} (custom_reward_function.path), a Python file "
+                        "that evaluating would import and run: pass --trust-reward-file if you trust it and the run "
+                        "directory it came from")
     s = settings(args, cfg, from_run)
     check_out(args.out)
     d = cfg.data
@@ -381,6 +386,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"sequences per engine call (default {DEFAULT_BATCH_ROWS})")
     parser.add_argument("--seed", type=int, default=1, help="sampling seed (default 1)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: <model>/eval)")
+    parser.add_argument("--trust-reward-file", action="store_true",
+                        help="import the reward file a run directory's config names (custom_reward_function.path): "
+                             "its code runs here, so only for runs you trust; without it such a run is refused")
     args = parser.parse_args(argv)
     for flag, value in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-response-length",
                                                                               args.max_response_length or 1)):

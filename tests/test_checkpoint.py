@@ -341,6 +341,34 @@ def test_planned_checkpoint_size_matches_the_files(written):
         assert per_rank < written_by_rank < per_rank * 1.2 + slices * 2048 / 2
 
 
+def test_a_crafted_metadata_file_is_refused_without_running_it(written, tmp_path):
+    """``.metadata`` is a pickle: the package's own checks (resume, the merger, evaluation) read it
+    with only the classes checkpoint metadata holds, so a payload is named and never runs."""
+    import pickle
+
+    from megatron_bridge.weights.dist_checkpoint import CheckpointFilesError, check_complete, damage, read_metadata
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written[2], directory)
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {ran}",))
+
+    (directory / ".metadata").write_bytes(pickle.dumps(Payload()))
+    assert damage(directory) == [".metadata asks to build posix.system, which no checkpoint's metadata holds (not "
+                                 "loaded: it could run code)"]
+    with pytest.raises(CheckpointFilesError, match=r"\.metadata asks to build posix\.system"):
+        check_complete(directory)
+    assert not ran.exists()
+    # what torch and megatron write reads the same as torch's own reader gives it
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ours, torchs = read_metadata(written[2]), FileSystemReader(str(written[2])).read_metadata()
+    assert ours.state_dict_metadata == torchs.state_dict_metadata and ours.storage_data == torchs.storage_data
+
+
 def _truncate(path, keep=0.5):
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])

@@ -126,6 +126,26 @@ def test_a_run_stopped_before_its_first_save_evaluates_its_base_model(run_dir, t
 # --- bad inputs ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_a_runs_reward_file_is_imported_only_when_trusted(run_dir, tmp_path):
+    """A run directory's config can name a Python reward file; evaluating would run its code, so it
+    takes --trust-reward-file, and without it nothing of the file runs."""
+    other = tmp_path / "run"
+    other.mkdir()
+    shutil.copy(run_dir / "provenance.json", other / "provenance.json")
+    reward = tmp_path / "reward.py"
+    ran = tmp_path / "ran"
+    reward.write_text(f"open({str(ran)!r}, 'w').close()\nraise RuntimeError('the reward file ran')\n")
+    config = json.loads((run_dir / "config.json").read_text())
+    config["custom_reward_function"] = {**config["custom_reward_function"], "path": str(reward)}
+    (other / "config.json").write_text(json.dumps(config))
+    _refused(evaluate("--model", str(other), "--out", str(tmp_path / "eval")),
+             f"scores with {reward} (custom_reward_function.path)", "--trust-reward-file")
+    assert not ran.exists()
+    out = evaluate("--model", str(other), "--out", str(tmp_path / "eval"), "--trust-reward-file")
+    assert ran.exists() and out.returncode != 0  # imported: this file's own error ends it
+
+
 def _refused(out: subprocess.CompletedProcess, *named: str) -> None:
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()

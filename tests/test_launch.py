@@ -718,3 +718,20 @@ def test_two_hosts_join_through_the_launcher_and_train(two_hosts, tmp_path, loca
     for step in two:
         assert_same_step(one[step], two[step], cfg)
     assert_nothing_left(tmp_path)
+
+
+def test_the_auth_token_file_is_its_owners_alone(tmp_path):
+    """The head generates Ray's token when it has none; generated or given, the file is made 0600
+    (Ray writes it 0644)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    env.update(HOME=str(tmp_path), NODE_ROLE="head", RAY_AUTH_MODE="token")
+    check = ["bash", "-c", "source launch/common.sh && check_auth_token"]
+    out = subprocess.run(check, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    token = tmp_path / ".ray" / "auth_token"
+    assert out.returncode == 0, out.stderr
+    assert token.stat().st_size > 0 and oct(token.stat().st_mode & 0o777) == "0o600"
+    assert f"generated Ray's auth token in {token}" in out.stdout
+    token.chmod(0o644)  # a token copied from the head as many copy files
+    out = subprocess.run(check, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and oct(token.stat().st_mode & 0o777) == "0o600"
+    assert f"made {token} readable by its owner only" in out.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +44,46 @@ class CheckpointFilesError(UserError, FileNotFoundError):
     pass
 
 
+class UnsafeMetadataError(UserError, pickle.UnpicklingError):
+    """A checkpoint's ``.metadata`` asks to build something a checkpoint's metadata never holds."""
+
+
+# What torch's and megatron's writers put in ``.metadata``, a pickle: classes of their checkpoint
+# modules, plus these few. Anything else (a function to call, another module's class) is refused
+# before it runs; megatron's own load, and torch's loader, still unpickle it as written.
+_METADATA_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
+_METADATA_GLOBALS = {("torch", "Size"), ("pathlib", "PosixPath"), ("torch.serialization", "_get_layout"),
+                     ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" or module.startswith(_METADATA_MODULES):
+            found = super().find_class(module, name)  # imports only torch's and megatron's own modules
+            if isinstance(found, torch.dtype) if module == "torch" else isinstance(found, type):
+                return found
+        raise UnsafeMetadataError(f"{module}.{name}")
+
+
+def read_metadata(directory: str | os.PathLike):
+    """The checkpoint's ``.metadata`` (torch.distributed.checkpoint's ``Metadata``), unpickled with
+    only the classes such metadata holds: a crafted file cannot run code here."""
+    with open(Path(directory) / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if getattr(metadata, "storage_meta", None) is None:  # as torch's FileSystemReader fills it in
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
 def damage(directory: str | os.PathLike) -> list[str]:
     """What makes the torch_dist checkpoint in ``directory`` unloadable, as far as the format's own
     metadata tells without reading the tensors, each beginning with the file's name (empty:
     nothing): a missing file, a shard file shorter than the bytes its metadata places in it,
     metadata or common state that cannot be read."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     directory = Path(directory)
     found = [f"{n} is missing" for n in ("metadata.json", ".metadata", "common.pt") if not (directory / n).is_file()]
     if (directory / "metadata.json").is_file():
@@ -68,7 +102,10 @@ def damage(directory: str | os.PathLike) -> list[str]:
     if not (directory / ".metadata").is_file():
         return found
     try:
-        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+        storage = read_metadata(directory).storage_data
+    except UnsafeMetadataError as e:
+        return found + [f".metadata asks to build {e}, which no checkpoint's metadata holds (not loaded: it could "
+                        "run code)"]
     except Exception as e:  # a truncated pickle raises whatever unpickling hits first
         return found + [f".metadata cannot be read ({type(e).__name__})"]
     ends: dict[str, int] = {}
@@ -109,6 +146,7 @@ class DistCheckpoint:
         check_complete(directory)
         self.directory, self.spec = str(directory), spec
         self.reader = CachedMetadataFileSystemReader(self.directory)
+        self.reader._cached_metadata = read_metadata(self.directory)  # torch's loader reads it from here
         every = self.reader.read_metadata().state_dict_metadata
         self.tensors = {k: v for k, v in every.items()
                         if k.startswith(MODEL_PREFIXES) and isinstance(v, TensorStorageMetadata)}
