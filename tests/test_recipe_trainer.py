@@ -85,6 +85,42 @@ def test_a_dead_worker_is_named(tmp_path, local_ray):
 
 
 @pytest.mark.slow
+def test_a_worker_killed_after_a_checkpoint_is_named_and_leaves_no_process(tmp_path, local_ray):
+    """After a save (whose writers report through a helper process), kill -9 of a worker: the next
+    call names it within the time Ray takes to see a process go (the helper must not hold the
+    worker's sockets, which kept the driver waiting for minutes), and nothing the worker started is
+    left running."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    import ray
+
+    from recipe.workers.group import WorkerDiedError
+
+    trainer = start_trainer(tmp_path, "dead_after_save", [])
+    try:
+        world = trainer.workers.world_size
+        trainer.workers.call("save", [(str(tmp_path / "ckpt" / "actor"),)] * world, "checkpoint save")
+        trainer.workers.call("finish_save")
+        victim = trainer.workers.workers[1]
+        pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+        helpers = psutil.Process(pid).children(recursive=True)
+        assert helpers, "the save started no helper process: nothing to check"
+        os.kill(pid, signal.SIGKILL)
+        trainer.step = 1
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="worker rank 1"):
+            trainer.fit()
+        assert time.monotonic() - start < 120  # Ray's own report of a lost worker: seconds, not minutes
+        gone, alive = psutil.wait_procs(helpers, timeout=10)
+        assert not alive, f"processes the killed worker started are still running: {alive}"
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
 def test_reward_function_error_names_the_sample(tmp_path, local_ray):
     from recipe.reward import RewardError
 

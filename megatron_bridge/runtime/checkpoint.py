@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +52,7 @@ def save(actor: "MegatronActor", directory: str, queue=None) -> None:
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     numpy2_compat()
+    _writers_report_to_a_queue_that_dies_with_this_process()
     state, optimizers = sharded_state_dict(actor, loading=False)
     state.update(_layout(actor), steps=actor.steps)
     if optimizers is not None:
@@ -62,6 +64,38 @@ def save(actor: "MegatronActor", directory: str, queue=None) -> None:
         request = dist_checkpointing.save(state, directory, strategy, async_sharded_save=queue is not None)
     if queue is not None:
         queue.schedule_async_request(request)
+
+
+_queue_owner: list = []  # the manager behind megatron's results queue, alive as long as this process
+
+
+def _writers_report_to_a_queue_that_dies_with_this_process() -> None:
+    """megatron's file writers report through a queue of a ``multiprocessing`` manager that it forks
+    on the first save and never ends: forked, the manager holds this process's sockets, so when this
+    process dies its peers (Ray's raylet) do not see it go for minutes, and the manager outlives the
+    run. Ours instead: the same manager, which the kernel ends when this process ends (Linux)."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(initializer=_end_with_parent, initargs=(os.getpid(),))
+    _queue_owner.append(manager)
+    filesystem_async._results_queue = manager.Queue()
+
+
+def _end_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the line above took effect
+        os._exit(0)
 
 
 def finish_saves(queue, actor: "MegatronActor", directory: str) -> None:
