@@ -10,6 +10,7 @@ re-run resumes (``recipe.driver.signals``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -45,6 +46,10 @@ def run_reporting(body: Callable[[], object], usage_errors: tuple[type[Exception
         return 2 if isinstance(e, usage) else 1
     except Stopped as e:
         print(e, file=sys.stderr)
+        if e.exit_now:  # Ray's client, its local processes gone, would hold the exit for 60 s
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     return 0
 

@@ -40,11 +40,14 @@ def tagged(tag: str) -> list[int]:
 
 
 def signalled_run(args: list[str], marker: str, signals: list[int], tmp_path: Path,
-                  env: dict[str, str] | None = None) -> tuple[int, str, str]:
+                  env: dict[str, str] | None = None, group: bool = False,
+                  timing: dict | None = None) -> tuple[int, str, str]:
     """Run ``recipe.main`` (with ``env`` added to its environment); when its output has a line
     starting with ``marker`` (the per-step line of a step, so the driver is in the next one, which
-    takes seconds), send ``signals`` to the driver 0.5 s apart. Returns the exit status, stdout and
-    stderr, after checking that no process the run started is left."""
+    takes seconds), send ``signals`` to the driver 0.5 s apart (``group``: to its whole process
+    group, Ray's local processes too, as a scheduler's cancel does). Returns the exit status, stdout
+    and stderr, after checking that no process the run started is left; ``timing["exit_s"]``: from
+    the last signal to the driver's exit."""
     tag = uuid.uuid4().hex
     env = {**os.environ, **(env or {}), TAG: tag, "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "stderr.txt", "w+") as err:
@@ -59,7 +62,11 @@ def signalled_run(args: list[str], marker: str, signals: list[int], tmp_path: Pa
                 if line.startswith(marker):
                     for i, signum in enumerate(signals):
                         time.sleep(0.5 * (i > 0))
-                        proc.send_signal(signum)
+                        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
+                    signalled = time.monotonic()
+                    code = proc.wait()  # the driver's own exit (a few lines after the signal fit the pipe)
+                    if timing is not None:
+                        timing["exit_s"] = time.monotonic() - signalled
                     break
             lines += proc.stdout.readlines()
             code = proc.wait()
@@ -88,12 +95,18 @@ STEPS = ["--config", TINY["gspo"], "trainer.test_freq=-1", "trainer.val_before_t
 
 
 @pytest.mark.slow
-def test_sigterm_stops_cleanly_and_a_rerun_resumes(tmp_path):
+def test_sigterm_to_the_process_group_stops_cleanly_and_a_rerun_resumes(tmp_path):
+    """SIGTERM to the driver's whole process group (a scheduler's cancel, `timeout`, a container's
+    stop): Ray's local processes end with it, and the driver still exits 143 with the resume line,
+    well within a scheduler's grace period (about 30 s), instead of waiting 60 s for Ray's GCS."""
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
+    timing = {}
     code, _, stderr = signalled_run(STEPS + ["trainer.save_freq=2", "trainer.total_training_steps=8",
-                                             f"trainer.default_local_dir={run}"], "step 3 |", [signal.SIGTERM], tmp_path)
-    assert code == 143
+                                             f"trainer.default_local_dir={run}"], "step 3 |", [signal.SIGTERM], tmp_path,
+                                    group=True, timing=timing)
+    assert code == 143, stderr[-3000:]
+    assert timing["exit_s"] < 30 and "Failed to connect to GCS" not in stderr, (timing, stderr[-3000:])
     # the last completed step and the checkpoint a re-run takes are not the same here
     assert_clean_stop(stderr, f"stopped by SIGTERM; last completed step: 3; a re-run resumes from "
                               f"{ckpt / 'global_step_2'} (step 2)")

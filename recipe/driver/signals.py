@@ -33,6 +33,7 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, signum: int, why: str = ""):
         super().__init__(signum, why)
         self.signum, self.why, self.where = signum, why, ""
+        self.exit_now = False  # nothing left to end: the command exits without its atexit clean-up
 
     def __str__(self) -> str:
         return "; ".join(filter(None, [f"stopped by {signal.Signals(self.signum).name}{self.why}", self.where]))

@@ -67,7 +67,7 @@ from recipe.rollout.base import SamplingParams, request_seed
 from recipe.tracking.loggers import METRICS_FILE, Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
 from recipe.workers.colocated import RankInfo
-from recipe.workers.group import WorkerGroup, init_ray, pools, shutdown_ray
+from recipe.workers.group import WorkerGroup, init_ray, local_ray_died, pools, shutdown_ray
 
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
 
@@ -460,17 +460,24 @@ def with_warmup_from_ratio(cfg: RecipeConfig, total_steps: int) -> RecipeConfig:
 def train(cfg: RecipeConfig) -> Path:
     """Train; a signal ends it as ``Stopped`` saying where a re-run resumes (``recipe.driver.signals``)."""
     trainer = Trainer(cfg)
+    ray_gone = False
     try:
         trainer.start()
         return trainer.fit()
     except KeyboardInterrupt:  # Ray's waits raise a plain one for the handler's Stopped
         stopped = trainer.signals.stopped or Stopped(signal.SIGINT)
         stopped.where = trainer.progress()
+        # A signal to the whole process group (a scheduler's cancel, `timeout`) ended the local Ray
+        # with the driver: nothing to end, and Ray's client would hold the exit for 60 s.
+        ray_gone = stopped.exit_now = trainer.started_ray and local_ray_died(within_s=1.0)
         raise stopped from None
     finally:
-        trainer.close()
-        if trainer.started_ray:
-            shutdown_ray()
+        if ray_gone:
+            trainer.holds.close()  # the run directory's lock; the workers and Ray are gone already
+        else:
+            trainer.close()
+            if trainer.started_ray:
+                shutdown_ray()
 
 
 def _placement(infos: list[RankInfo]) -> str:

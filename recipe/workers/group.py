@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -116,6 +117,21 @@ def init_ray(device: str, world_size: int) -> bool:
 def _start_local_ray(cpus: int | None) -> None:
     # address="local": a new Ray of our own, never a cluster `ray start` once recorded on this machine.
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+
+
+def local_ray_died(within_s: float) -> bool:
+    """The local Ray this process started loses a process of its own (its GCS, its raylet) within
+    ``within_s``: as when a signal to the whole process group reaches them with the driver. Its
+    client would then wait 60 s for the GCS and end the process with exit 1."""
+    node = ray._private.worker._global_node
+    if node is None or not node.head:
+        return False
+    deadline = time.monotonic() + within_s
+    while node.remaining_processes_alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def shutdown_ray() -> None:
