@@ -141,6 +141,21 @@ wait_child() {
   return "$rc"
 }
 
+# wait_child_while_ray_runs: wait_child, but this node's Ray exiting first ends the wait (and the
+# child) with status 2: the nodes would wait for a head that is gone until the join timeout.
+wait_child_while_ray_runs() {
+  while kill -0 "$CHILD_PID" 2>/dev/null; do
+    if ! kill -0 "$RAY_PID" 2>/dev/null; then
+      await_pid "$CHILD_PID" 0
+      CHILD_PID="" RAY_PID=""
+      return 2
+    fi
+    sleep 1 &
+    wait $! # a signal interrupts `wait` (its trap runs at once), not `sleep`
+  done
+  wait_child
+}
+
 # await_pid <pid> <seconds>: wait for a child to exit, killing it after <seconds>. It polls, so that
 # a signal during clean-up (only logged there) does not cut the wait short. It never waits for a
 # child that is gone: a signal whose trap interrupts `wait` just as that child is reaped leaves bash
@@ -617,7 +632,10 @@ run_head() {
   log "waiting up to ${JOIN_TIMEOUT_S}s for $ALL_NODES node(s)"
   spawn CHILD_PID "${WAIT_CMD[@]}"
   pause_at joining
-  wait_child || die 1 "not all nodes joined; nothing was submitted"
+  local rc=0
+  wait_child_while_ray_runs || rc=$?
+  ((rc != 2)) || die 1 "this node's Ray exited while it waited for the nodes; nothing was submitted (log $RUN_LOG/ray_head.log): $(tail -n 3 "$RUN_LOG/ray_head.log" | tr '\n' ' ')"
+  ((rc == 0)) || die 1 "not all nodes joined; nothing was submitted"
   local job
   for job in $(jobs_to_submit); do
     run_job "$job"

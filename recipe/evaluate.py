@@ -148,9 +148,6 @@ def find_models(path: Path) -> tuple[list[Model], Path | None]:
             raise EvalError(f"--model {path}: the run's {PROVENANCE_FILE} cannot be read for the base model ({e}); "
                             "give a run directory the trainer started, or a checkpoint of it") from e
         found = [_checked(c.name, _step(c), c / ACTOR_DIR) for c in checkpoints(path / CHECKPOINTS_DIR)]
-        if not found:
-            print(f"{path}: no checkpoint yet (the run stopped before its first save): evaluating its base model "
-                  f"{base} (step 0) alone", file=sys.stderr)
         return [Model("base", 0, base, checkpoint=False), *found], path
     if path.is_dir() and ((path / "metadata.json").is_file() or (path / ACTOR_DIR / "metadata.json").is_file()):
         actor = actor_dir(path)
@@ -324,6 +321,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise EvalError(f"{run / CONFIG_FILE} scores with {reward_file} (custom_reward_function.path), a Python file "
                         "that evaluating would import and run: pass --trust-reward-file if you trust it and the run "
                         "directory it came from")
+    if run is not None and not any(m.checkpoint for m in models):
+        print(f"{run}: no checkpoint yet (the run stopped before its first save): evaluating its base model "
+              f"{models[0].path} (step 0) alone", file=sys.stderr)
     s = settings(args, cfg, from_run)
     check_out(args.out)
     d = cfg.data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -255,7 +256,41 @@ def test_a_local_ray_that_times_out_starting_is_ended_and_started_once_more(monk
         ray.shutdown()
     assert len(calls) == 2 and calls[0] == calls[1]
     assert left[0].wait(timeout=10) == -9  # killed, not left running
-    assert "local Ray did not come up within its 30 s (a busy machine?): starting it once more" in capsys.readouterr().err
+    assert "local Ray did not come up within 120 s (a busy machine?): starting it once more" in capsys.readouterr().err
+
+
+def test_a_slow_raylet_registration_is_waited_for_past_rays_30_s(monkeypatch):
+    """Within a local start, Ray's lookup of the new node waits for it (a raylet registers late on a
+    busy machine) rather than raising at once into Ray's fixed 30 s loop; past its own time it raises
+    Ray's error as before, and Ray's function is back in place afterwards."""
+    import ray
+
+    from recipe.workers import group
+
+    services = ray._private.services
+    asked = []
+
+    def registers_on_the_fourth_ask(gcs_address, node_id):
+        asked.append((gcs_address, node_id))
+        if len(asked) < 4:
+            raise RuntimeError(f"node {node_id} not found")
+        return {"node_id": node_id}
+
+    monkeypatch.setattr(services, "get_node", registers_on_the_fourth_ask)
+    with group.patient_node_lookup(seconds=30):
+        assert services.get_node("gcs:1", "abc") == {"node_id": "abc"}
+    assert asked == [("gcs:1", "abc")] * 4
+    assert services.get_node is registers_on_the_fourth_ask
+
+    def never(gcs_address, node_id):
+        raise RuntimeError("node abc not found")
+
+    monkeypatch.setattr(services, "get_node", never)
+    with group.patient_node_lookup(seconds=0.5):
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="not found"):
+            services.get_node("gcs:1", "abc")
+        assert 0.5 <= time.monotonic() - began < 5
 
 
 def test_other_local_ray_start_errors_are_not_retried(monkeypatch):

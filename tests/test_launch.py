@@ -608,6 +608,24 @@ def test_ctrl_c_while_the_head_waits_for_nodes(start_launcher):
 
 
 @pytest.mark.slow
+def test_the_heads_ray_dying_while_it_waits_for_nodes_ends_the_launch(start_launcher):
+    """The head's Ray gone during the join wait (killed, or out of Ray's own start-up window on a busy
+    machine): the launcher says so within seconds, not when the join timeout runs out."""
+    ip = local_address() or pytest.skip("no non-loopback address on this machine")
+    launcher = start_launcher(TINY, NNODES="2", NPUS_PER_NODE="1", MASTER_ADDR=ip, JOIN_TIMEOUT_S="600")
+    launcher.wait_for("nodes joined: 1/2")
+    head = [p for p in started_by(launcher.tmp_path) if " start --head --block " in _cmdline(p)]
+    assert len(head) == 1, [_cmdline(p) for p in started_by(launcher.tmp_path)]
+    os.kill(head[0], signal.SIGKILL)
+    began = time.monotonic()
+    assert launcher.exit_status() == 1
+    assert time.monotonic() - began < 60
+    assert "this node's Ray exited while it waited for the nodes; nothing was submitted" in launcher.text
+    assert "submitting job" not in launcher.text
+    assert_nothing_left(launcher.tmp_path)
+
+
+@pytest.mark.slow
 def test_sigterm_while_a_worker_tries_to_join(start_launcher):
     launcher = start_launcher(TINY, NNODES="1", NODE_ROLE="worker", MASTER_ADDR="127.0.0.2", LAUNCH_PAUSE_AT="joining")
     launcher.pause_point("joining")  # after its first attempt: the head does not answer

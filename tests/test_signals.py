@@ -72,3 +72,19 @@ def test_sigterm_stops_without_a_checkpoint_when_the_grace_period_runs_out(handl
         deliver(signal.SIGTERM)
         time.sleep(5)  # a step longer than the grace period
     assert info.value.exit_code == 143 and time.monotonic() - start < 2
+
+
+def test_a_signal_within_held_stops_at_its_end(handlers):
+    """The step's metrics line and its checkpoint's publication go together: a SIGINT between them
+    stops after both; the second one is ignored as usual."""
+    signals, done = DriverSignals(), []
+    signals.install()
+    with pytest.raises(Stopped, match=r"^stopped by SIGINT$") as info, signals.steps():
+        with signals.held():
+            done.append("metrics line")
+            deliver(signal.SIGINT)
+            deliver(signal.SIGINT)
+            done.append("checkpoint published")
+        done.append("next step")
+    assert done == ["metrics line", "checkpoint published"] and info.value is signals.stopped
+    assert not signals.holding

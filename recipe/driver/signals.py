@@ -14,6 +14,8 @@ With ``trainer.save_on_sigterm_grace_s`` > 0 a SIGTERM during a step lets the st
 saves a checkpoint before stopping, if that is done within the grace period; when the period runs
 out first, the driver stops at once without the checkpoint. Another signal while the step
 finishes stops at once; a signal while stopping is ignored, since the shutdown under way ends the run.
+A signal within ``held`` (a step's metrics line and its checkpoint put in place) stops at its end, so
+the run's files never record one of the two without the other.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class DriverSignals:
         self.pending: int | None = None  # a SIGTERM waiting for the step's end
         self.stopping = False
         self.stopped: Stopped | None = None  # what the handler raised
+        self.holding = False
+        self.held_stop: tuple[int, str] | None = None  # a stop that waits for the end of ``held``
 
     def install(self) -> None:
         for signum in HANDLED:
@@ -66,12 +70,18 @@ class DriverSignals:
             tqdm.write(f"SIGTERM: finishing the step and saving a checkpoint within "
                        f"trainer.save_on_sigterm_grace_s={self.grace_s:g}")
             return
-        self._stop(signum, "")
+        self._stop_or_hold(signum, "")
 
     def _grace_over(self, signum: int, frame) -> None:
         if not self.stopping:
-            self._stop(signal.SIGTERM, f" (no checkpoint: the step and its save took longer than "
-                                       f"trainer.save_on_sigterm_grace_s={self.grace_s:g})")
+            self._stop_or_hold(signal.SIGTERM, f" (no checkpoint: the step and its save took longer than "
+                                               f"trainer.save_on_sigterm_grace_s={self.grace_s:g})")
+
+    def _stop_or_hold(self, signum: int, why: str) -> None:
+        if not self.holding:
+            self._stop(signum, why)
+        elif self.held_stop is None:
+            self.held_stop = (signum, why)
 
     def _stop(self, signum: int, why: str) -> None:
         self.stopping = True
@@ -87,6 +97,17 @@ class DriverSignals:
             yield
         finally:
             self.in_steps = False
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A stop signalled within waits for its end (the stop is raised there)."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.held_stop is not None:
+            self._stop(*self.held_stop)
 
     def step_ended(self, save: Callable[[], object] | None) -> None:
         """At the end of a step: with a SIGTERM waiting, ``save`` (None: the step saved already) and stop."""

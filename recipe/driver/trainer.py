@@ -193,8 +193,9 @@ class Trainer:
                 saved = t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps)
                 if saved:
                     metrics.update(self.save_checkpoint(wait=self.step == self.total_steps, publish=False))
-                self.tracking.log(metrics, step=self.step)
-                self.publish_checkpoint()
+                with self.signals.held():  # a stop between the two would resume before a logged step
+                    self.tracking.log(metrics, step=self.step)
+                    self.publish_checkpoint()
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
                 # a SIGTERM waiting for this step's end stops after a complete checkpoint: this step's own

@@ -8,9 +8,11 @@ in a second group, its rollout ranks (``pools``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,6 +29,10 @@ from recipe.workers.colocated import RankInfo, Worker
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
 DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}
 PLACEMENT_TIMEOUT_S = 120
+# How long a local Ray's raylet gets to register with its GCS. Ray 2.60 gives it a fixed 30 s, which a
+# machine busy with other runs' processes can take (seen in CI); a start that takes longer is started
+# once more.
+RAYLET_REGISTRATION_S = 120
 # When one worker's call fails, how long the others get to end theirs before the error names the
 # failed ones (the others may be blocked in a collective with the failed one, and never end).
 PEERS_TIMEOUT_S = 30
@@ -103,12 +109,11 @@ def init_ray(device: str, world_size: int) -> bool:
     except Exception as e:  # Ray raises a bare Exception for this one
         if "timed out during startup" not in str(e):
             raise
-        # Ray gives its raylet 30 s to register (fixed in 2.60); on a busy machine that can pass.
         # The failed start's processes are ours alone and nothing ends them: end them first.
         for process in psutil.Process().children(recursive=True):
             if process.pid not in before:
                 process.kill()
-        print("local Ray did not come up within its 30 s (a busy machine?): starting it once more",
+        print(f"local Ray did not come up within {RAYLET_REGISTRATION_S} s (a busy machine?): starting it once more",
               file=sys.stderr, flush=True)
         _start_local_ray(cpus)
     return True
@@ -116,7 +121,33 @@ def init_ray(device: str, world_size: int) -> bool:
 
 def _start_local_ray(cpus: int | None) -> None:
     # address="local": a new Ray of our own, never a cluster `ray start` once recorded on this machine.
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    with patient_node_lookup(RAYLET_REGISTRATION_S):
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+
+
+@contextlib.contextmanager
+def patient_node_lookup(seconds: float) -> Iterator[None]:
+    """Ray's start-up asks the GCS for the new node in a loop that gives up after a fixed 30 s; within
+    this, each ask waits up to ``seconds`` for the node to be registered (``ray._private.services
+    .get_node`` raises RuntimeError until it is)."""
+    services = ray._private.services
+    get_node = services.get_node
+
+    def patient(*args, **kwargs):
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    services.get_node = patient
+    try:
+        yield
+    finally:
+        services.get_node = get_node
 
 
 def local_ray_died(within_s: float) -> bool:
