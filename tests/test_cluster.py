@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -324,3 +326,35 @@ def test_node_addresses_that_disagree_are_refused_in_a_dry_run(tmp_path, capsys,
     assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert main(args + ["--node-ips", "10.0.0.2,10.0.0.1"] if head == "10.0.0.1" else args) == 0
+
+
+def test_a_local_rays_auth_token_is_its_owners_alone(tmp_path, monkeypatch):
+    """Ray turns token auth on for a local Ray and would write a new token readable by everyone: the
+    driver writes it first (0600), makes an existing one 0600, and leaves it alone when token auth is
+    off or the token comes from the environment. A real local Ray then starts with that token."""
+    from recipe.workers import group
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    token = tmp_path / ".ray" / "auth_token"
+    # a process of its own: Ray's token loader keeps the first token a process read
+    start = "import ray; from recipe.workers.group import init_ray; assert init_ray('cpu', 1); ray.shutdown()"
+    out = subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert oct(token.stat().st_mode & 0o777) == "0o600" and len(token.read_text()) == 64
+    first = token.read_text()
+    int(first, 16)  # hex, as Ray's generator makes it
+
+    token.chmod(0o644)
+    group.private_auth_token()
+    assert oct(token.stat().st_mode & 0o777) == "0o600" and token.read_text() == first
+
+    token.unlink()
+    for env in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_TOKEN": "given"}):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            group.private_auth_token()
+        assert not token.exists()

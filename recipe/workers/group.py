@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -103,6 +105,7 @@ def init_ray(device: str, world_size: int) -> bool:
         ray.init(logging_level="WARNING")
         return True
     cpus = max(os.cpu_count() or 1, world_size) if device == "cpu" else None
+    private_auth_token()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     try:
         _start_local_ray(cpus)
@@ -117,6 +120,26 @@ def init_ray(device: str, world_size: int) -> bool:
               file=sys.stderr, flush=True)
         _start_local_ray(cpus)
     return True
+
+
+def private_auth_token() -> None:
+    """Ray 2.60 turns its token auth on for a local Ray (``RAY_AUTH_MODE`` unset) and, with no token
+    yet, writes one to ``~/.ray/auth_token`` readable by every user: the password of every cluster
+    that uses the file. Write it first, readable by its owner only, or make an existing one so."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))  # what Ray's own generator makes
+        return
+    except FileExistsError:
+        pass
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+        print(f"made {path} readable by its owner only (it is the password of the Ray clusters that use it)",
+              file=sys.stderr, flush=True)
 
 
 def _start_local_ray(cpus: int | None) -> None:
