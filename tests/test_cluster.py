@@ -344,6 +344,7 @@ def test_a_local_rays_auth_token_is_its_owners_alone(tmp_path, monkeypatch):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert oct(token.stat().st_mode & 0o777) == "0o600" and len(token.read_text()) == 64
+    assert [p.name for p in token.parent.iterdir()] == ["auth_token"]  # written whole, nothing left beside
     first = token.read_text()
     int(first, 16)  # hex, as Ray's generator makes it
 

@@ -239,57 +239,46 @@ def test_the_stability_presets_run_in_a_comparison(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_async_variant_is_compared_with_its_synchronous_run(tmp_path):
-    """gspo and gspo_async1 on the tiny recipe for 2 steps: the same prompts at every step and the
-    same first step (async1's first batch is made under the initial weights and waited for); from
-    step 2 on async1's samples are one policy version behind, and the report shows the mode and the
-    staleness."""
-    args = ["--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo,gspo_async1", "--out", str(tmp_path),
-            "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",
+def test_async_variants_are_compared_with_their_synchronous_run(tmp_path):
+    """gspo, gspo_async1 and gspo_async2 on the tiny recipe for 3 steps: the same prompts at every
+    step and the same first step (an async run's first batch is made under the initial weights and
+    waited for); async1's samples are then one policy version behind, async2's (fully_async pushing
+    every step, two batches allowed ahead) 0, 1, then 2; the report shows the mode and the staleness,
+    whose maximum is the name's K."""
+    variants = ["gspo", "gspo_async1", "gspo_async2"]
+    args = ["--config", "configs/recipe/tiny_gspo.yaml", "--variants", ",".join(variants), "--out", str(tmp_path),
+            "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1",
             "trainer.val_before_train=false"]
     out = _compare(*args)
     assert out.returncode == 0, out.stderr[-3000:]
-    sync, off = (read_jsonl(str(tmp_path / v / "seed_1" / "metrics.jsonl")) for v in ("gspo", "gspo_async1"))
-    assert [m["async/staleness_mean"] for m in off] == [0.0, 1.0]
-    assert [m["async/staleness_max"] for m in off] == [0.0, 1.0]
+    sync, off, two = (read_jsonl(str(tmp_path / v / "seed_1" / "metrics.jsonl")) for v in variants)
+    assert [m["async/staleness_mean"] for m in off] == [0.0, 1.0, 1.0]
+    assert [m["async/staleness_max"] for m in off] == [0.0, 1.0, 1.0]
+    assert [m["async/staleness_max"] for m in two] == [0.0, 1.0, 2.0]
+    assert [m["async/weight_pushes"] for m in two] == [1.0, 1.0, 1.0]
     assert not any(key.startswith("async/") for m in sync for key in m)
-    assert [m["data/prompt_hash"] for m in off] == [m["data/prompt_hash"] for m in sync]
-    for key in ("critic/score/mean", "response_length/mean"):
-        assert off[0][key] == sync[0][key], key
+    for logged in (off, two):
+        assert [m["data/prompt_hash"] for m in logged] == [m["data/prompt_hash"] for m in sync]
+        for key in ("critic/score/mean", "response_length/mean"):
+            assert logged[0][key] == sync[0][key], key
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     stats = {v["variant"]: v["stats"] for v in summary["variants"]}
-    assert list(stats) == ["gspo", "gspo_async1"]
-    assert (stats["gspo_async1"]["staleness_mean"], stats["gspo_async1"]["staleness_max"]) == (0.5, 1.0)
+    assert list(stats) == variants
+    assert (stats["gspo_async1"]["staleness_mean"], stats["gspo_async1"]["staleness_max"]) == (pytest.approx(2 / 3), 1.0)
+    assert (stats["gspo_async2"]["staleness_mean"], stats["gspo_async2"]["staleness_max"]) == (1.0, 2.0)
     assert (stats["gspo"]["staleness_mean"], stats["gspo"]["staleness_max"]) == (None, None)
     report = (tmp_path / "report" / "report.md").read_text()
     compared = report.split("## Runs compared")[1].split("##")[0]
     assert [line.split(" | ")[-1].rstrip(" |") for line in compared.splitlines() if line.startswith("| gspo")] == [
-        "sync", "one_step_off"]
-    # the mode's keys and its pool are async1's name; the IS correction it turns on by default is not,
-    # so the report names it as a difference beyond the names
+        "sync", "one_step_off", "fully_async"]
+    # the mode's keys and its pool are an async variant's name; the IS correction it turns on by
+    # default is not, so the report names it as a difference beyond the names
     beyond = report.split("## Differences beyond the variant names")[1].split("##")[0]
     assert '| `algorithm.rollout_correction.rollout_is` | null | "token" |' in beyond
     assert "n_gpus_per_node" not in beyond and "async_training.mode" not in beyond
     differences = report.split("## Config differences")[1].split("##")[0]
     assert '| `algorithm.rollout_correction.rollout_is` | null | "token" |' in differences
     assert '| `actor_rollout_ref.rollout.n_gpus_per_node` | null | 2 |' in differences
-
-
-@pytest.mark.slow
-def test_an_async2_variant_reaches_two_versions_behind_at_step_three(tmp_path):
-    """gspo_async2 for 3 steps: fully_async pushing every step with two batches allowed ahead, so its
-    samples are 0, 1, then 2 policy versions behind, and the report's maximum is the name's K."""
-    args = ["--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo_async2", "--out", str(tmp_path),
-            "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1",
-            "trainer.val_before_train=false"]
-    out = _compare(*args)
-    assert out.returncode == 0, out.stderr[-3000:]
-    logged = read_jsonl(str(tmp_path / "gspo_async2" / "seed_1" / "metrics.jsonl"))
-    assert [m["async/staleness_max"] for m in logged] == [0.0, 1.0, 2.0]
-    assert [m["async/weight_pushes"] for m in logged] == [1.0, 1.0, 1.0]
-    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
-    stats = summary["variants"][0]["stats"]
-    assert (stats["staleness_mean"], stats["staleness_max"]) == (1.0, 2.0)
 
 
 @pytest.mark.slow

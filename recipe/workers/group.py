@@ -129,13 +129,17 @@ def private_auth_token() -> None:
     if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or os.environ.get("RAY_AUTH_TOKEN"):
         return
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    try:
+    if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        written = path.with_name(f".{path.name}.{os.getpid()}")
+        with os.fdopen(os.open(written, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(secrets.token_hex(32))  # what Ray's own generator makes
-        return
-    except FileExistsError:
-        pass
+        try:  # whole or not at all, and never over a token another run put there meanwhile
+            os.link(written, path)
+        except FileExistsError:
+            pass
+        finally:
+            written.unlink()
     if path.stat().st_mode & 0o077:
         path.chmod(0o600)
         print(f"made {path} readable by its owner only (it is the password of the Ray clusters that use it)",
