@@ -12,10 +12,11 @@ import contextlib
 import os
 import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import psutil
@@ -131,15 +132,15 @@ def private_auth_token() -> None:
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        written = path.with_name(f".{path.name}.{os.getpid()}")
-        with os.fdopen(os.open(written, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        fd, written = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # readable by its owner only
+        with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))  # what Ray's own generator makes
         try:  # whole or not at all, and never over a token another run put there meanwhile
             os.link(written, path)
         except FileExistsError:
             pass
         finally:
-            written.unlink()
+            os.unlink(written)
     if path.stat().st_mode & 0o077:
         path.chmod(0o600)
         print(f"made {path} readable by its owner only (it is the password of the Ray clusters that use it)",
