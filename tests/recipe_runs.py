@@ -5,6 +5,7 @@ whole session, is the ``main_job`` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,11 @@ def run_main(args: list[str], timeout: int = 900, **popen) -> subprocess.Complet
                           timeout=timeout, **popen)
 
 
-def main_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
-    """``python -m recipe.main`` in this process, for runs that end before Ray starts (the command's
-    own error handling, without a new interpreter's imports)."""
-    from recipe.main import main
-
-    code = main(args)
+def main_in_process(args: list[str], capsys, command: str = "recipe.main") -> subprocess.CompletedProcess:
+    """``python -m recipe.main`` (or the module of another of the package's commands) in this process, for
+    runs that end before Ray starts or a model loads: the command's own error handling, without a
+    new interpreter's imports."""
+    code = importlib.import_module(command).main(args)
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 

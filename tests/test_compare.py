@@ -17,6 +17,7 @@ from recipe.config import load_config
 from recipe.compare.runs import _seeds, effective_config, finished, plan_runs, read_training_pool, run_comparison
 from recipe.compare.variants import VARIANT_FILE, variant_overrides
 from recipe.tracking.loggers import read_jsonl
+from tests.recipe_runs import main_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_POOL = (1, 2)  # the tiny recipes' training pool: one node, two CPU ranks
@@ -159,15 +160,17 @@ def _compare(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_bad_inputs_are_named_without_a_traceback(tmp_path):
-    out = _compare("--config", "configs/recipe/tiny_grpo.yaml", "--variants", "grpo,sgd", "--out", str(tmp_path))
+def test_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
+    def compare(*args: str) -> subprocess.CompletedProcess:  # refused before any run: in this process
+        return main_in_process(list(args), capsys, "recipe.compare.runs")
+
+    out = compare("--config", "configs/recipe/tiny_grpo.yaml", "--variants", "grpo,sgd", "--out", str(tmp_path))
     assert out.returncode == 2 and "variant 'sgd'" in out.stderr and "Traceback" not in out.stderr
-    out = _compare("--config", "configs/recipe/tiny_grpo.yaml", "data.train_batch_size=7", "--out", str(tmp_path))
+    out = compare("--config", "configs/recipe/tiny_grpo.yaml", "data.train_batch_size=7", "--out", str(tmp_path))
     assert out.returncode == 2 and "train_batch_size" in out.stderr and not any(tmp_path.iterdir())
-    out = _compare(str(tmp_path / "missing"), "--out", str(tmp_path / "report"))
+    out = compare(str(tmp_path / "missing"), "--out", str(tmp_path / "report"))
     assert out.returncode == 2 and "missing" in out.stderr
-    out = _compare("--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo,gspo_async0",
-                   "--out", str(tmp_path))
+    out = compare("--config", "configs/recipe/tiny_gspo.yaml", "--variants", "gspo,gspo_async0", "--out", str(tmp_path))
     assert out.returncode == 2 and not any(tmp_path.iterdir())
     assert out.stderr.strip().splitlines()[-1].startswith("error: variant 'gspo_async0': async0 would be ")
 

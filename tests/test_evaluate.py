@@ -14,6 +14,7 @@ import pytest
 from recipe.evaluate import ks, maj_at_k, pass_at_k
 from recipe.reward import answer_extractor
 from recipe.tracking.loggers import read_jsonl
+from tests.recipe_runs import main_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,6 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 def evaluate(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "recipe.evaluate", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def evaluate_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The command in this process, for inputs it refuses before any model loads."""
+    return main_in_process(list(args), capsys, "recipe.evaluate")
 
 
 # --- estimators ------------------------------------------------------------------------------------
@@ -127,7 +133,7 @@ def test_a_run_stopped_before_its_first_save_evaluates_its_base_model(run_dir, t
 
 
 @pytest.mark.slow
-def test_a_runs_reward_file_is_imported_only_when_trusted(run_dir, tmp_path):
+def test_a_runs_reward_file_is_imported_only_when_trusted(run_dir, tmp_path, capsys):
     """A run directory's config can name a Python reward file; evaluating would run its code, so it
     takes --trust-reward-file, and without it nothing of the file runs."""
     other = tmp_path / "run"
@@ -139,7 +145,7 @@ def test_a_runs_reward_file_is_imported_only_when_trusted(run_dir, tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     config["custom_reward_function"] = {**config["custom_reward_function"], "path": str(reward)}
     (other / "config.json").write_text(json.dumps(config))
-    _refused(evaluate("--model", str(other), "--out", str(tmp_path / "eval")),
+    _refused(evaluate_here(capsys, "--model", str(other), "--out", str(tmp_path / "eval")),
              f"scores with {reward} (custom_reward_function.path)", "--trust-reward-file")
     assert not ran.exists()
     out = evaluate("--model", str(other), "--out", str(tmp_path / "eval"), "--trust-reward-file")
@@ -162,34 +168,34 @@ def hf_dir() -> str:
     return prepare_builtin(cache_dir(), seed=0, model=TINY).model_dir
 
 
-def test_missing_model_path(tmp_path):
-    _refused(evaluate("--model", str(tmp_path / "nowhere")), str(tmp_path / "nowhere"), "no such")
+def test_missing_model_path(tmp_path, capsys):
+    _refused(evaluate_here(capsys, "--model", str(tmp_path / "nowhere")), str(tmp_path / "nowhere"), "no such")
 
 
-def test_a_directory_that_is_no_model(tmp_path):
+def test_a_directory_that_is_no_model(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
-    _refused(evaluate("--model", str(tmp_path)), f"--model {tmp_path}", "checkpoint")
+    _refused(evaluate_here(capsys, "--model", str(tmp_path)), f"--model {tmp_path}", "checkpoint")
 
 
-def test_a_model_without_data(hf_dir, tmp_path):
-    _refused(evaluate("--model", hf_dir, "--out", str(tmp_path)), "--data")
+def test_a_model_without_data(hf_dir, tmp_path, capsys):
+    _refused(evaluate_here(capsys, "--model", hf_dir, "--out", str(tmp_path)), "--data")
 
 
-def test_unreadable_data(hf_dir, tmp_path):
+def test_unreadable_data(hf_dir, tmp_path, capsys):
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")
-    _refused(evaluate("--model", hf_dir, "--data", str(bad), "--out", str(tmp_path / "eval")), str(bad))
+    _refused(evaluate_here(capsys, "--model", hf_dir, "--data", str(bad), "--out", str(tmp_path / "eval")), str(bad))
 
 
-def test_out_dir_not_writable(hf_dir, tmp_path):
+def test_out_dir_not_writable(hf_dir, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     out = tmp_path / "file" / "eval"
-    _refused(evaluate("--model", hf_dir, "--data", "builtin:tiny", "--out", str(out)), f"--out {out}")
+    _refused(evaluate_here(capsys, "--model", hf_dir, "--data", "builtin:tiny", "--out", str(out)), f"--out {out}")
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint(run_dir, tmp_path):
+def test_a_damaged_checkpoint(run_dir, tmp_path, capsys):
     damaged = tmp_path / "global_step_50"
     shutil.copytree(run_dir / "checkpoints" / "global_step_50", damaged)
     (damaged / "actor" / "common.pt").unlink()
-    _refused(evaluate("--model", str(damaged), "--out", str(tmp_path / "eval")), str(damaged), "common.pt")
+    _refused(evaluate_here(capsys, "--model", str(damaged), "--out", str(tmp_path / "eval")), str(damaged), "common.pt")
