@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 
+from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, load_layout, shipped_layouts
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.plan.stages import layers_per_chunk, layers_per_stage
@@ -238,3 +239,14 @@ def test_rollout_tp_dp_ep_are_checked_on_the_rollout_pool():
     found = rules(Q30, replace(load_layout("qwen3_30b_a3b_2x16_a3"), rollout=RolloutParallel(tp=2, ep=1))
                   .with_rollout_pool(1, 1))
     assert "TP*DP = 2*1 = 2 must equal the rollout's device count 1" in found["rollout.tp_dp_equals_world"]
+
+
+def test_a_layout_yaml_reads_exponents_as_numbers_as_a_recipe_does(tmp_path):
+    """One YAML reader for every config: ``6.4e1`` is a float in a layout file too (PyYAML's own
+    loader reads it as a string), and a file that is no mapping is named."""
+    path = tmp_path / "big.yaml"
+    path.write_text("trainer:\n  nnodes: 1\n  n_gpus_per_node: 8\n  device: npu\n  device_memory_gb: 6.4e1\n")
+    assert load_layout(str(path)).cluster.device_memory_gb == 64.0
+    path.write_text("- not a mapping\n")
+    with pytest.raises(ConfigError, match=f"{path}: expected a mapping of config keys, got list"):
+        load_layout(str(path))

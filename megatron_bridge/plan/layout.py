@@ -23,10 +23,9 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-import yaml
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import CONFIGS_DIR, find_config, shipped
+from megatron_bridge.configs import CONFIGS_DIR, find_config, read_yaml, shipped
 from megatron_bridge.plan.platforms import PLATFORMS
 
 NPU_KINDS = ("a2", "a3")
@@ -276,13 +275,7 @@ def load_layout(path: str) -> Layout:
     found = find_config("parallel", path)
     if found is None:
         raise ConfigError(f"parallel layout {path!r}: no such file; shipped layouts: {', '.join(shipped('parallel'))}")
-    path = found
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    return layout_from_dict(data, name=os.path.basename(path).removesuffix(".yaml"))
+    return layout_from_dict(read_yaml(found), name=os.path.basename(found).removesuffix(".yaml"))
 
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import find_config, shipped
+from megatron_bridge.configs import YamlLoader, find_config, shipped
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 
@@ -136,7 +136,7 @@ def load_hf_config(path: str) -> dict[str, Any]:
     if candidate is not None and os.path.isfile(candidate):
         with open(candidate) as f:
             try:
-                data = json.load(f) if candidate.endswith(".json") else yaml.safe_load(f)
+                data = json.load(f) if candidate.endswith(".json") else yaml.load(f, Loader=YamlLoader)
             except (json.JSONDecodeError, yaml.YAMLError) as e:
                 raise ConfigError(f"{candidate}: not valid {'JSON' if candidate.endswith('.json') else 'YAML'}: {e}") from e
         if not isinstance(data, dict):
