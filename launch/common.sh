@@ -84,6 +84,7 @@ head_reachable() { timeout 3 bash -c "exec 3<>/dev/tcp/$MASTER_IP/$RAY_PORT" 2>/
 # on it, and nothing is cut short behind the clean-up's back.
 
 RAY_PID=""
+RAY_TREE=()      # this node's Ray's processes (pid:start-time) when last seen up (ray_alive)
 RAY_ADDRESS_FILE=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster  # where `ray start` records its cluster
 RAY_RECORD=""
 CHILD_PID=""     # the current step, safe to kill: the checks, wait-nodes, following the job, the report, a retry's wait
@@ -145,9 +146,9 @@ wait_child() {
 # child) with status 2: the nodes would wait for a head that is gone until the join timeout.
 wait_child_while_ray_runs() {
   while kill -0 "$CHILD_PID" 2>/dev/null; do
-    if ! kill -0 "$RAY_PID" 2>/dev/null; then
+    if ! ray_alive; then
       await_pid "$CHILD_PID" 0
-      CHILD_PID="" RAY_PID=""
+      CHILD_PID=""
       return 2
     fi
     sleep 1 &
@@ -188,6 +189,24 @@ descendants() {
       END {n = split(kids[root], q, " "); for (i = 1; i <= n; i++) {print q[i]; m = split(kids[q[i]], k, " "); for (j = 1; j <= m; j++) q[++n] = k[j]}}'); do
     start=$(start_time "$pid")
     [[ -z $start ]] || echo "$pid:$start"
+  done
+}
+
+# ray_alive: this node's Ray still runs. Its processes are noted each time (RAY_TREE): a `ray start`
+# that is killed leaves them running, no longer its descendants, holding the node's ports.
+ray_alive() {
+  kill -0 "$RAY_PID" 2>/dev/null || return 1
+  local tree
+  tree=$(descendants "$RAY_PID")
+  [[ -z $tree ]] || mapfile -t RAY_TREE <<<"$tree"
+}
+
+# signal_alive <signal> <pid:start-time...>: send <signal> to those that are still the same processes.
+signal_alive() {
+  local sig=$1 entry
+  shift
+  for entry; do
+    [[ $(start_time "${entry%%:*}") != "${entry#*:}" ]] || kill "-$sig" "${entry%%:*}" 2>/dev/null || true
   done
 }
 
@@ -272,6 +291,7 @@ on_exit() {
 start_ray_node() {
   local out=$1
   shift
+  RAY_TREE=()
   spawn RAY_PID to_file "$out" "$@"
   pause_at ray_starting
   local deadline=$((SECONDS + RAY_START_TIMEOUT_S))
@@ -299,11 +319,14 @@ start_ray_node() {
 
 stop_ray_node() {
   [[ -n $RAY_PID ]] || return 0
-  local tree=()
+  local tree=("${RAY_TREE[@]}")
   if kill -0 "$RAY_PID" 2>/dev/null; then
     log "stopping this node's Ray (pid $RAY_PID, started by this launcher)"
     mapfile -t tree < <(descendants "$RAY_PID")
     kill -TERM "$RAY_PID" 2>/dev/null || true
+  elif ((${#tree[@]})); then
+    log "this node's Ray (pid $RAY_PID) is gone: stopping the ${#tree[@]} process(es) it had started"
+    signal_alive TERM "${tree[@]}"
   fi
   # Still there after a minute: kill that one process; its children die with it (Ray ties them to
   # their parent's life).
@@ -710,7 +733,7 @@ run_worker() {
   log "joined the Ray cluster at $MASTER_IP:$RAY_PORT as $NODE_IP; staying until the head's job ends"
   local misses=0
   while :; do
-    kill -0 "$RAY_PID" 2>/dev/null || die 1 "this node's Ray exited unexpectedly (log $RUN_LOG/ray_worker.log)"
+    ray_alive || die 1 "this node's Ray exited unexpectedly (log $RUN_LOG/ray_worker.log)"
     if head_reachable; then misses=0; else misses=$((misses + 1)); fi
     if ((misses >= 3)); then
       log "the head $MASTER_IP:$RAY_PORT is gone (its job ended or it stopped)"
