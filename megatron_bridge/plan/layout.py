@@ -23,7 +23,6 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.configs import CONFIGS_DIR, find_config, read_yaml, shipped
 from megatron_bridge.plan.platforms import PLATFORMS

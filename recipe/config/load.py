@@ -282,6 +282,3 @@ def _interpolate(data: dict, name: str) -> dict:
         return resolve(node, (key,))
 
     return walk(data, "")
-
-
-# ---- checks across keys ----------------------------------------------------------------------
