@@ -29,7 +29,7 @@ from bench.common import machine_facts, publish  # noqa: E402
 
 SCRIPT = "bench/recipe_phases.py"
 PHASES = ("gen", "old_log_prob", "ref", "update_actor", "reshard", "step")
-# the worker method each phase runs (recipe.workers.colocated.Worker, counted by its ``busy``)
+# the worker method each phase runs (recipe.workers.rank.Rank, counted by its ``busy``)
 METHODS = {"gen": "run", "old_log_prob": "compute_log_probs", "update_actor": "update", "reshard": "sync_weights"}
 
 
@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> tuple[list[dict], object]:
     from recipe.config import load_config
     from recipe.driver.trainer import Trainer
+    from recipe.workers.rank import Rank
 
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(args.config, [*args.overrides, f"trainer.default_local_dir={run_dir}",
@@ -61,16 +62,16 @@ def run(args: argparse.Namespace) -> tuple[list[dict], object]:
             history = []
             for step in range(1, args.steps + 1):
                 if step == 2 and args.profile:  # one step: the profiler's tables of more take minutes to build
-                    trainer.workers.call("profile", [(True,)] * trainer.workers.world_size)
+                    trainer.workers.call(Rank.profile, [(True,)] * trainer.workers.world_size)
                 metrics = trainer.train_step(step)
-                busy = trainer.workers.call("take_busy")
+                busy = trainer.workers.call(Rank.take_busy)
                 for method in set(METHODS.values()):  # the busiest worker's seconds in each method
                     metrics[f"worker_s/{method}"] = max(b.get(method, 0.0) for b in busy)
                 history.append(metrics)
                 print(f"step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}s" for k, v in metrics.items()
                                                     if k.startswith(("timing_s/", "worker_s/"))), file=sys.stderr)
                 if step == 2 and args.profile:
-                    tables = trainer.workers.call("profile", [(False,)] * trainer.workers.world_size)
+                    tables = trainer.workers.call(Rank.profile, [(False,)] * trainer.workers.world_size)
                     args.profile.write_text("\n\n".join(tables) + "\n")
                     print(f"wrote {args.profile}", file=sys.stderr)
             return history, cfg

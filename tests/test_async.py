@@ -137,6 +137,13 @@ def test_fully_async_bounds_staleness_by_the_sync_interval_and_the_threshold(ove
     assert (a.sync_every, a.max_staleness) == (sync_every, max_staleness)
 
 
+def float32_rollout():
+    """A rollout rank's settings from the tiny GSPO recipe, its engine in float32."""
+    from recipe.workers.settings import RankSettings
+
+    return RankSettings.of(load_config(TINY["gspo"], ["actor_rollout_ref.rollout.dtype=float32"]))
+
+
 # --- the schedule alone, with a rollout pool that answers at once or later ----------------------
 
 
@@ -431,7 +438,7 @@ def test_a_rank_joins_the_calls_sent_together_and_answers_each_when_it_is_done(t
     from recipe.workers.rollout import GenerationCall, RolloutWorker
     from tests.test_rollout_hf import PROMPTS, close
 
-    worker = RolloutWorker(load_config(TINY["gspo"]), save_tiny_checkpoint(tmp_path, 0), torch.float32, "cpu")
+    worker = RolloutWorker(float32_rollout(), save_tiny_checkpoint(tmp_path, 0), "cpu")
     step = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
     alone = [worker.generate(PROMPTS[:2], [0, 1], step)[0], worker.generate(PROMPTS, [2, 3, 4], step)[0]]
 
@@ -488,7 +495,7 @@ def test_a_pause_holds_the_generation_queued_behind_the_running_one(tmp_path):
     from recipe.workers.rollout import RolloutWorker
     from tests.test_rollout_hf import PROMPTS
 
-    worker = RolloutWorker(load_config(TINY["gspo"]), save_tiny_checkpoint(tmp_path, 0), torch.float32, "cpu")
+    worker = RolloutWorker(float32_rollout(), save_tiny_checkpoint(tmp_path, 0), "cpu")
     params, tokens_before = SamplingParams(temperature=1.0, max_tokens=12, seed=3), 4
     requests = {1: [0, 1, 2], 2: [3, 4, 5]}
     whole = {key: worker.generate(PROMPTS, ids, params)[0] for key, ids in requests.items()}

@@ -151,11 +151,11 @@ def test_ray_accepts_the_rank_options_of_every_device(device):
     # Ray refuses "GPU" in an actor's resources (num_gpus only): a CUDA run never started its workers
     import ray
 
-    from recipe.workers.colocated import Worker
     from recipe.workers.group import DEVICE_RESOURCE, device_options
+    from recipe.workers.rank import Rank
 
     options = device_options(device)
-    ray.remote(Worker).options(num_cpus=1, **options)  # raises ValueError on options Ray refuses
+    ray.remote(Rank).options(num_cpus=1, **options)  # raises ValueError on options Ray refuses
     resource = DEVICE_RESOURCE[device]
     asked = {"GPU": options.get("num_gpus", 0), **options.get("resources", {})}
     assert asked.get(resource, 0) == (1 if resource else 0) and sum(asked.values()) == (1 if resource else 0)

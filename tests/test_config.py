@@ -421,14 +421,14 @@ def test_hybrid_engine_with_the_trainers_pool_spelt_out_stays_colocated():
     """verl's recipes spell the rollout pool out as the trainer's: with hybrid_engine=true that is the
     training devices, one pool, not a second pool of the same size."""
     from recipe.workers.group import pools
-    from recipe.workers.colocated import Worker
+    from recipe.workers.rank import Roles
 
     spelt = load_config(TINY, ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2"])
     plain = load_config(TINY)
     assert spelt.actor_rollout_ref.hybrid_engine and not spelt.layout.separate_rollout
     assert spelt.layout == plain.layout and spelt.layout.rollout_world_size == 2
     training, rollout = pools(spelt.layout)
-    assert training.actor is Worker and rollout is None
+    assert training.roles == Roles.BOTH and rollout is None
     # hybrid_engine=false with the same numbers: a pool of its own, as large as the training one
     split = load_config(TINY, ["actor_rollout_ref.hybrid_engine=false", "async_training.mode=one_step_off",
                                "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2"])

@@ -98,12 +98,13 @@ def test_a_worker_killed_after_a_checkpoint_is_named_and_leaves_no_process(tmp_p
     import ray
 
     from recipe.workers.group import WorkerDiedError
+    from recipe.workers.rank import Rank
 
     trainer = start_trainer(tmp_path, "dead_after_save", [])
     try:
         world = trainer.workers.world_size
-        trainer.workers.call("save", [(str(tmp_path / "ckpt" / "actor"),)] * world, "checkpoint save")
-        trainer.workers.call("finish_save")
+        trainer.workers.call(Rank.save, [(str(tmp_path / "ckpt" / "actor"),)] * world, "checkpoint save")
+        trainer.workers.call(Rank.finish_save)
         victim = trainer.workers.workers[1]
         pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
         helpers = psutil.Process(pid).children(recursive=True)

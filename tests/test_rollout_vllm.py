@@ -591,7 +591,7 @@ def test_real_engine_sleep_wake_keeps_the_weights_and_a_bad_sync_blocks_generati
 
 
 def _pool_engine_greedy(rank, world_size, model_dir, files):
-    """One rank of a rollout pool of its own: the engine built as RolloutRank builds it (no sleep mode),
+    """One rank of a rollout pool of its own: the engine built as a rollout rank of its own builds it (no sleep mode),
     the weights loaded, greedy responses generated; its own process, beside the fixture's engine."""
     from recipe.rollout import ENGINES
     from recipe.rollout.base import EngineArgs

@@ -1,5 +1,5 @@
 """The asynchronous modes' schedule (docs/async.md): batches generated ahead on a rollout pool of
-its own (``recipe.workers.separate``), the weights pushed to it every T steps, no sample more than
+its own (``recipe.workers.rank``), the weights pushed to it every T steps, no sample more than
 K policy versions behind the policy that trains on it.
 
 Policy version v is the weights after v updates; step t trains on batch t with version t-1, so a

@@ -24,7 +24,7 @@ from recipe.data.dataset import PromptSample
 from recipe.driver.rollouts import Rollout
 from recipe.rollout.base import Generation, SamplingParams
 from recipe.tracking.metrics import mean_metrics
-from recipe.workers.colocated import RankInfo
+from recipe.workers.rank import Rank, RankInfo
 from recipe.workers.group import WorkerGroup, first_failure
 
 
@@ -85,8 +85,8 @@ class Dispatch:
                 ids = list(range(request.first_row + lo, request.first_row + hi))
                 share.append(([s.prompt_ids for s in rows[lo:hi]], ids, request.params, key))
             sent.append((rows, request.n, key))
-        self.generators.submit("run", [(share,) for share in calls])
-        return [PendingRollout(rows, n, self.generators.submit("result", [(key,)] * self.generators.world_size), key)
+        self.generators.submit(Rank.run, [(share,) for share in calls])
+        return [PendingRollout(rows, n, self.generators.submit(Rank.result, [(key,)] * self.generators.world_size), key)
                 for rows, n, key in sent]
 
     @staticmethod
@@ -101,7 +101,7 @@ class Dispatch:
         running stopped after its current token, those queued behind it held before they start),
         and the generation for ``resume``. The unfinished responses (finish reason "paused" or
         "held") wait in the ranks."""
-        self.generators.call("pause", phase="generation")
+        self.generators.call(Rank.pause, phase="generation")
         out = []
         for generation in pending:
             answers = self._answers(generation, timeout_s)
@@ -111,7 +111,7 @@ class Dispatch:
     def resume(self, paused: PendingRollout) -> PendingRollout:
         """The paused generation continued by the rollout ranks under the weights they hold now;
         ``collect`` gathers every row of it, the continued ones complete or paused again."""
-        refs = self.generators.submit("resume", [(paused.key,)] * self.generators.world_size)
+        refs = self.generators.submit(Rank.resume, [(paused.key,)] * self.generators.world_size)
         return dataclasses.replace(paused, refs=refs)
 
     def collect(self, pending: PendingRollout, timeout_s: float | None = None) -> Rollout:
@@ -148,7 +148,7 @@ class Dispatch:
         """Log-probs [rows, R] under the actor or the reference (DP rank d takes rows ``shares[d]``);
         the actor's pass also gives its routing."""
         args = [(self._share(batch, shares, info), model, replay) for info in self.infos]
-        outputs = self.workers.call("compute_log_probs", args, f"{model} log-probs")
+        outputs = self.workers.call(Rank.compute_log_probs, args, f"{model} log-probs")
         result = torch.empty(len(batch[INPUT_IDS]), batch[RESPONSE_MASK].shape[1], dtype=torch.float32)
         for info, (log_probs, _) in zip(self.infos, outputs):
             if info.first_of_replica:
@@ -161,7 +161,7 @@ class Dispatch:
                replay: bool) -> tuple[dict[str, float], RoutingRecord | None]:
         """The update's metrics, and with ``replay`` what the training forwards replayed."""
         args = [(self._share(batch, shares, info), mini_batch_rows // self.dp_size, replay) for info in self.infos]
-        outputs = self.workers.call("update", args, "actor update")
+        outputs = self.workers.call(Rank.update, args, "actor update")
         per_step = outputs[0][0]
         metrics = mean_metrics(per_step)
         # the LR and skip flag of the last optimizer step, as verl reports them
@@ -180,7 +180,7 @@ class Dispatch:
         rows = torch.linspace(0, total - 1, count).round().long()
         shares = list(rows.view(self.dp_size, -1))
         plain = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
-        records = self.workers.call("sample_routing", [(self._share(plain, shares, info),) for info in self.infos],
+        records = self.workers.call(Rank.sample_routing, [(self._share(plain, shares, info),) for info in self.infos],
                                     "routing drift pass")
         local = [torch.arange(len(s)) + i * len(shares[0]) for i, s in enumerate(shares)]
         return rows, self.merge_routing(records, local, batch[INPUT_IDS].shape[1]).routing
@@ -198,9 +198,9 @@ class Dispatch:
         (stopped, hung) fails the send after ``async_training.weight_sync_timeout_s``, or, where the
         sent bytes fit in the sockets' buffers and the send ends, is named after that long."""
         if self.rollout is None:
-            return self.workers.call("sync_weights", phase="weight sync")[0]
-        sending = self.workers.submit("sync_weights")
-        receiving = self.rollout.submit("sync_weights")
+            return self.workers.call(Rank.sync_weights, phase="weight sync")[0]
+        sending = self.workers.submit(Rank.sync_weights)
+        receiving = self.rollout.submit(Rank.sync_weights)
         if first_failure(receiving + sending, until=sending) in receiving:
             self.rollout.get(receiving, "weight sync", self.sync_timeout_s)  # raises, naming the rank
         sent = self.workers.get(sending, "weight sync")  # raises the send's error, naming its rank
@@ -221,7 +221,7 @@ class Dispatch:
     def memory(self) -> dict[str, float]:
         """The busiest worker's peak memory, and what offload moved."""
         out: dict[str, float] = {}
-        for memory in self.workers.call("memory"):
+        for memory in self.workers.call(Rank.memory):
             for key, value in memory.items():
                 out[key] = max(out.get(key, 0.0), value)
         return out

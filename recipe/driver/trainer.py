@@ -66,8 +66,9 @@ from recipe.reward import OverlongConfig, RewardOutput, make_reward_fn, score_re
 from recipe.rollout.base import SamplingParams, request_seed
 from recipe.tracking.loggers import METRICS_FILE, Tracking, ascii_curve, on_terminal, progress_bar, read_jsonl
 from recipe.tracking.metrics import Timer, data_metrics, throughput_metrics
-from recipe.workers.colocated import RankInfo
+from recipe.workers.rank import RankInfo
 from recipe.workers.group import WorkerGroup, init_ray, local_ray_died, pools, shutdown_ray
+from recipe.workers.settings import RankSettings
 
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
 
@@ -140,10 +141,11 @@ class Trainer:
         # on the CPU every pool's ranks share the one machine's cores
         per_node = training.devices_per_node + (rollout.devices_per_node if rollout else 0)
         self.workers = WorkerGroup(training, device, per_node)
+        settings = RankSettings.of(cfg)
         if rollout is not None:
             self.rollout_workers = WorkerGroup(rollout, device, per_node, taken=self.workers.node_ips)
-            starting = self.rollout_workers.start_setup(cfg, self.model_dir)
-        infos = self.workers.setup(cfg, self.model_dir)
+            starting = self.rollout_workers.start_setup(settings, self.model_dir)
+        infos = self.workers.setup(settings, self.model_dir)
         self.dispatch = Dispatch(self.workers, infos, cfg.layout, self.spec, self.rollout_workers,
                                  cfg.async_training.weight_sync_timeout_s)
         self.dp_size = self.dispatch.dp_size

@@ -18,7 +18,7 @@ import torch
 
 from megatron_bridge.runtime.batch import INPUT_IDS, ROUTED_EXPERTS
 from megatron_bridge.runtime.offload import KINDS
-from recipe.config import RecipeConfig
+from recipe.workers.settings import PassSizes, RankSettings
 
 if TYPE_CHECKING:
     from megatron_bridge.moe.table import RoutingRecord
@@ -32,9 +32,8 @@ def _why_padded(use_remove_padding: bool) -> str:
 
 
 class ActorWorker:
-    def __init__(self, cfg: RecipeConfig, rank: int, world_size: int, model_dir: str, dtype: torch.dtype,
-                 platform: str, rollout_expert_parallel: int, make_room: Callable[[], None],
-                 weight_receivers: int | None = None):
+    def __init__(self, settings: RankSettings, rank: int, world_size: int, model_dir: str, platform: str,
+                 rollout_expert_parallel: int, make_room: Callable[[], None], weight_receivers: int | None = None):
         """Build and load the shards (torch.distributed must be up). The weights go to the rollout
         rank of each rank, experts split over ``rollout_expert_parallel`` of them (1: all to each);
         with ``weight_receivers`` only to the first that many ranks (``export.Routing``)."""
@@ -44,44 +43,43 @@ class ActorWorker:
         from megatron_bridge.runtime.model import BuildOptions
         from megatron_bridge.weights.export import Routing, WeightExporter
 
-        self.cfg, self.rank, self.world_size, self.make_room = cfg, rank, world_size, make_room
-        layout, arr = cfg.layout, cfg.actor_rollout_ref
-        initialize_parallel(layout.train, seed=cfg.trainer.seed)
+        self.rank, self.world_size, self.make_room = rank, world_size, make_room
+        self.settings = s = settings.actor
+        self.train, self.device = settings.layout.train, settings.layout.cluster.device
+        initialize_parallel(self.train, seed=settings.seed)
         spec = load_model_spec(model_dir)
-        options = BuildOptions(params_dtype=dtype)
-        pack = arr.model.use_remove_padding
-        self.actor = MegatronActor(spec, layout.train, options, arr.actor.optim, platform, pack)
+        options = BuildOptions(params_dtype=s.dtype)
+        self.actor = MegatronActor(spec, self.train, options, s.optim, platform, s.pack)
         if rank == 0:  # what computes, once per run (Ray shows a worker's stderr on the driver's)
-            chunk = arr.actor.megatron.log_prob_chunk_size
+            chunk = s.loss.log_prob_chunk_size
             print(f"actor on {platform}: {self.actor.kernels.describe()}; log-probs and entropy: "
                   f"{f'chunks of up to {chunk} tokens' if chunk else 'one chunk a micro-batch'}; micro-batches: "
-                  f"{'packed' if self.actor.packs else 'padded' + _why_padded(arr.model.use_remove_padding)}",
+                  f"{'packed' if self.actor.packs else 'padded' + _why_padded(s.pack)}",
                   file=sys.stderr, flush=True)
         self.actor.load_hf(model_dir)
         self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
         self.save_queue = None  # megatron's queue of background saves (actor.checkpoint.async_save)
         self.saving_to = ""  # the directory of the save in progress
-        if arr.actor.checkpoint.async_save:
+        if s.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self.save_queue = AsyncCallsQueue()
         self.ref = None
-        if cfg.needs_reference:
-            self.ref = MegatronActor(spec, layout.train, options, None, platform, pack)
+        if s.with_reference:
+            self.ref = MegatronActor(spec, self.train, options, None, platform, s.pack)
             self.ref.load_hf(model_dir)
-        self.routing_tap = RoutingTap(self.actor.chunks, spec.moe_topk, layout.train.sequence_parallel)
+        self.routing_tap = RoutingTap(self.actor.chunks, spec.moe_topk, self.train.sequence_parallel)
         self.actor.forward_context = self.routing_tap.micro_batch
-        self.loss_config = cfg.actor_loss
         self.exporter = WeightExporter(
             self.actor.chunks, spec, Routing(world_size, spec.num_experts, rollout_expert_parallel, weight_receivers),
-            bucket_mb=arr.rollout.update_weights_bucket_megabytes, dtype=dtype,
+            bucket_mb=s.export_bucket_mb, dtype=s.dtype,
         )
 
     # --- the device: offload and back -------------------------------------------------------
 
     def offload(self) -> None:
         """Before the engine takes the device: the training state the layout's flags name leaves it."""
-        t = self.cfg.layout.train
+        t = self.train
         if not (t.param_offload or t.grad_offload or t.optimizer_offload):
             return
         for shard in (self.actor, self.ref):
@@ -112,9 +110,7 @@ class ActorWorker:
                 raise RuntimeError("no reference model: it is built only with actor_rollout_ref.actor.use_kl_loss=true "
                                    "or algorithm.use_kl_in_reward=true")
             self._on_device(self.ref)
-            ref = self.cfg.actor_rollout_ref.ref
-            return self._log_probs(self.ref, batch, ref.log_prob_micro_batch_size_per_gpu,
-                                   self._budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu)), None
+            return self._log_probs(self.ref, batch, self.settings.ref_log_probs), None
         self._on_device(self.actor)
         _check_replay(batch, replay)
         rows, width = batch[INPUT_IDS].shape
@@ -131,23 +127,16 @@ class ActorWorker:
         return out.record
 
     def _actor_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The actor's pass as the old-log-prob pass runs (verl's ``rollout.log_prob_*`` keys)."""
-        r = self.cfg.actor_rollout_ref.rollout
-        return self._log_probs(self.actor, batch, r.log_prob_micro_batch_size_per_gpu,
-                               self._budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu))
+        """The actor's pass as the old-log-prob pass runs."""
+        return self._log_probs(self.actor, batch, self.settings.old_log_probs)
 
-    def _log_probs(self, shard: MegatronActor, batch: dict[str, torch.Tensor], micro: int,
-                   max_tokens: int | None) -> torch.Tensor:
+    def _log_probs(self, shard: MegatronActor, batch: dict[str, torch.Tensor], sizes: PassSizes) -> torch.Tensor:
         from loss.megatron_hook import log_prob_func
 
-        loss_fn = partial(log_prob_func, self.loss_config.temperature, False,
-                          log_prob_chunk_size=self.loss_config.log_prob_chunk_size)
-        out = shard.forward_only(batch, _fitting_micro_batch(len(batch[INPUT_IDS]), micro), loss_fn, max_tokens)
-        return out["log_probs"].cpu()
-
-    def _budget(self, dynamic: bool, per_gpu: int) -> int | None:
-        """A pass's token budget per micro-batch with dynamic batch size (verl: x context parallel), else None."""
-        return per_gpu * self.cfg.layout.train.cp if dynamic else None
+        loss = self.settings.loss
+        loss_fn = partial(log_prob_func, loss.temperature, False, log_prob_chunk_size=loss.log_prob_chunk_size)
+        micro = _fitting_micro_batch(len(batch[INPUT_IDS]), sizes.micro_batch_rows)
+        return shard.forward_only(batch, micro, loss_fn, sizes.max_tokens)["log_probs"].cpu()
 
     def update(self, batch: dict[str, torch.Tensor], mini_batch_rows: int,
                replay: bool) -> tuple[list[dict[str, float]], RoutingRecord]:
@@ -156,13 +145,12 @@ class ActorWorker:
         from loss.megatron_hook import policy_loss_func
 
         self._on_device(self.actor)
-        a = self.cfg.actor_rollout_ref.actor
+        s = self.settings
         _check_replay(batch, replay)
         rows, width = batch[INPUT_IDS].shape
         with self.routing_tap.recording(rows, width, capture=False, replay=replay, training=True) as out:
-            steps = self.actor.update(batch, mini_batch_rows, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
-                                      partial(policy_loss_func, self.loss_config),
-                                      self._budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu))
+            steps = self.actor.update(batch, mini_batch_rows, s.update.micro_batch_rows, s.ppo_epochs,
+                                      partial(policy_loss_func, s.loss), s.update.max_tokens)
         return steps, out.record
 
     # --- weights out ------------------------------------------------------------------------
@@ -186,7 +174,7 @@ class ActorWorker:
         from recipe.tracking.metrics import memory_metrics
 
         moves, self.moves = self.moves, {}
-        return {**memory_metrics(self.cfg.layout.cluster.device), **moves}
+        return {**memory_metrics(self.device), **moves}
 
     # --- checkpoint shard -------------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 all of them that turn a dead worker into a message naming it and its node, and a worker's refusal of its
 input or a failed weight sync (``NAMED_ERRORS``) into that error, without Ray's wrapping.
 
-A pool (``Pool``) is the ranks of one kind: colocated, one ``recipe.workers.colocated.Worker`` per
-training device; with a rollout pool of its own, ``recipe.workers.separate``'s training ranks and,
-in a second group, its rollout ranks (``pools``)."""
+A pool (``Pool``) is the ranks of one kind, one ``recipe.workers.rank.Rank`` per device with the
+pool's roles: colocated, the training devices with both roles; with a rollout pool of its own, the
+training ranks with the actor role and, in a second group, the rollout ranks (``pools``). A call
+names the method it runs (``call(Rank.update, ...)``), so a reader can follow it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import psutil
 import ray
@@ -27,7 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from megatron_bridge.errors import ConfigError, UserError
 from megatron_bridge.plan.layout import Layout
 from recipe.rollout.broadcast import WeightSyncError
-from recipe.workers.colocated import RankInfo, Worker
+from recipe.workers.rank import CONCURRENT, Rank, RankInfo, Roles
+from recipe.workers.settings import RankSettings
 
 # Ray's resource name for one device of each platform (Ray schedules Ascend NPUs as "NPU").
 DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}
@@ -71,10 +73,10 @@ class WorkerTimeoutError(UserError, RuntimeError):
 
 @dataclass(frozen=True)
 class Pool:
-    """Ranks of one kind: the Ray actor class of a rank (built with ``(rank, size, threads)``), its
-    nodes and devices, what a message calls one of its ranks and which keys size it."""
+    """Ranks of one kind: their roles, nodes and devices, what a message calls one of its ranks and
+    which keys size it."""
 
-    actor: type
+    roles: Roles
     nnodes: int
     devices_per_node: int
     label: str = "worker"
@@ -87,13 +89,11 @@ class Pool:
 
 def pools(layout: Layout) -> tuple[Pool, Pool | None]:
     """The training pool, and the rollout's own pool when it has one (``hybrid_engine=false``)."""
-    from recipe.workers.separate import RolloutRank, TrainerWorker
-
     c, r = layout.cluster, layout.rollout
     if not layout.separate_rollout:
-        return Pool(Worker, c.nnodes, c.devices_per_node), None
-    return (Pool(TrainerWorker, c.nnodes, c.devices_per_node),
-            Pool(RolloutRank, r.nnodes or 1, r.devices_per_node, "rollout worker",
+        return Pool(Roles.BOTH, c.nnodes, c.devices_per_node), None
+    return (Pool(Roles.TRAIN, c.nnodes, c.devices_per_node),
+            Pool(Roles.ROLLOUT, r.nnodes or 1, r.devices_per_node, "rollout worker",
                  "actor_rollout_ref.rollout.nnodes / n_gpus_per_node"))
 
 
@@ -268,37 +268,42 @@ class WorkerGroup:
                 f"each node needs {pool.devices_per_node} x {bundle}; the cluster has {ray.cluster_resources()}. "
                 f"Check {pool.keys} against the nodes that joined"
             )
-        groups = getattr(pool.actor, "concurrency_groups", None)  # calls that run beside the others
-        remote = ray.remote(concurrency_groups=groups)(pool.actor) if groups else ray.remote(pool.actor)
+        # a rollout rank of its own runs some calls beside the others (``CONCURRENT``)
+        self.concurrent = CONCURRENT if pool.roles == Roles.ROLLOUT else {}
+        remote = ray.remote(concurrency_groups=self.concurrent)(Rank) if self.concurrent else ray.remote(Rank)
         self.workers = [
             remote.options(
                 num_cpus=cpus_per_worker,
                 **device_options(device),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local),
-            ).remote(node * pool.devices_per_node + local, self.world_size, cpus_per_worker)
+            ).remote(node * pool.devices_per_node + local, self.world_size, cpus_per_worker, pool.roles)
             for node, group in enumerate(self.groups)
             for local in range(pool.devices_per_node)
         ]
         self.infos: list[RankInfo] = []
 
-    def setup(self, cfg, model_dir: str) -> list[RankInfo]:
-        self.infos = self.get(self.start_setup(cfg, model_dir), "start-up")
+    def setup(self, settings: RankSettings, model_dir: str) -> list[RankInfo]:
+        self.infos = self.get(self.start_setup(settings, model_dir), "start-up")
         return self.infos
 
-    def start_setup(self, cfg, model_dir: str) -> list:
+    def start_setup(self, settings: RankSettings, model_dir: str) -> list:
         """Every worker's ``setup`` in the pool's torch.distributed world (rank 0 hosts its
         rendezvous), without waiting: their refs for ``get``."""
         addr, port = self.get([self.workers[0].address.remote()], "start-up")[0]
-        return [w.setup.remote(cfg, model_dir, addr, port) for w in self.workers]
+        return [w.setup.remote(settings, model_dir, addr, port) for w in self.workers]
 
-    def call(self, method: str, args: Sequence[tuple] | None = None, phase: str | None = None) -> list[Any]:
-        """``method`` on every worker (with its own ``args`` if given), all at once; their results."""
-        return self.get(self.submit(method, args), phase or method)
+    def call(self, method: Callable, args: Sequence[tuple] | None = None, phase: str | None = None) -> list[Any]:
+        """``method`` (of ``Rank``) on every worker (with its own ``args`` if given), all at once;
+        their results."""
+        return self.get(self.submit(method, args), phase or method.__name__)
 
-    def submit(self, method: str, args: Sequence[tuple] | None = None) -> list:
-        """``method`` on every worker, all at once, without waiting: their refs for ``get``."""
-        args = args or [()] * self.world_size
-        return [getattr(w, method).remote(*a) for w, a in zip(self.workers, args)]
+    def submit(self, method: Callable, args: Sequence[tuple] | None = None) -> list:
+        """``method`` (of ``Rank``) on every worker, all at once, without waiting: their refs for ``get``."""
+        name, args = method.__name__, args or [()] * self.world_size
+        calls = [getattr(w, name) for w in self.workers]
+        if name in self.concurrent:
+            calls = [c.options(concurrency_group=name) for c in calls]
+        return [c.remote(*a) for c, a in zip(calls, args)]
 
     def get(self, refs: list, phase: str, timeout_s: float | None = None) -> list[Any]:
         try:

@@ -6,7 +6,7 @@ The driver sends the generation batches it starts together as one ``run`` (a lis
 one batch's share of this rank) and takes each call's responses with ``result``: the calls with the
 same sampling (the batches of one step: ``require_batches``) run as one engine call, and each
 call's responses are ready as soon as its last one ends, while the others go on (a rank of a pool
-of its own answers ``result`` beside the ``run``, ``recipe.workers.separate``). With partial rollout
+of its own answers ``result`` beside the ``run``, ``recipe.workers.rank``). With partial rollout
 (``recipe.rollout.partial``) a pause holds until ``release``: the engine call running stops after
 its current token, one that starts meanwhile does not start; each call is kept here under its
 key, samplers included, until ``resume`` continues it."""
@@ -18,12 +18,10 @@ import threading
 import time
 from concurrent.futures import Future
 
-import torch
-
-from recipe.config import RecipeConfig
 from recipe.rollout import ENGINES
 from recipe.rollout import partial
 from recipe.rollout.base import EngineArgs, Generation, SamplingParams
+from recipe.workers.settings import RankSettings
 
 Answer = tuple[Generation, float]  # a call's responses, and the seconds the engine spent on them
 
@@ -41,15 +39,13 @@ class GenerationCall:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RecipeConfig, model_dir: str, dtype: torch.dtype, platform: str, colocated: bool = True):
+    def __init__(self, settings: RankSettings, model_dir: str, platform: str, colocated: bool = True):
         """``colocated``: the engine shares the device with a training rank (``EngineArgs.colocated``)."""
-        rollout, data = cfg.actor_rollout_ref.rollout, cfg.data
-        self.engine = ENGINES[rollout.name].build(EngineArgs(
-            model_dir=model_dir, dtype=dtype, platform=platform, rollout=cfg.layout.rollout,
-            max_model_len=data.max_prompt_length + data.max_response_length, seed=cfg.trainer.seed,
-            return_routed_experts=rollout.enable_rollout_routing_replay,
-            engine_kwargs=rollout.engine_kwargs.get(rollout.name), colocated=colocated,
-            pausable=cfg.async_training.partial_rollout,
+        r = settings.rollout
+        self.engine = ENGINES[r.engine].build(EngineArgs(
+            model_dir=model_dir, dtype=r.dtype, platform=platform, rollout=settings.layout.rollout,
+            max_model_len=r.max_model_len, seed=settings.seed, return_routed_experts=r.return_routed_experts,
+            engine_kwargs=r.engine_kwargs, colocated=colocated, pausable=r.pausable,
         ))
         self.holding = False  # a pause came and the new weights have not: generations wait
         # what resume() continues, by the key of the generation call: (prompts, request ids, params,
