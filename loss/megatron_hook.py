@@ -29,7 +29,7 @@ Importing this module does not import megatron (see ``loss.vocab_parallel``).
 """
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import ClassVar, Mapping
 
 import torch
 
@@ -37,15 +37,10 @@ from .aggregation import Normalization, agg_loss
 from .kl import KL_PENALTY_TYPES, kl_penalty
 from .policy import compute_policy_loss
 from .registry import PolicyLossSettings, policy_loss_modes
+from .rules import Rule, at_least, check_fields, greater_than, one_of
 from .vocab_parallel import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs_and_entropy
 
 Metrics = dict[str, torch.Tensor]
-
-
-def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"{field}={value!r} is unknown; valid choices: {', '.join(choices)}")
 
 
 @dataclass(frozen=True)
@@ -66,13 +61,17 @@ class ActorLossConfig:
     temperature: float = 1.0
     log_prob_chunk_size: int = DEFAULT_CHUNK_SIZE
 
+    # Each field's rule, declared once: checked here, and by the recipe's config under its keys.
+    FIELD_RULES: ClassVar[dict[str, Rule]] = {
+        "loss_mode": one_of(policy_loss_modes),  # asked when checked: a loss may be registered later
+        "kl_loss_coef": at_least(0),
+        "kl_loss_type": one_of(KL_PENALTY_TYPES),
+        "temperature": greater_than(0),  # the logits are divided by it
+        "log_prob_chunk_size": at_least(0),  # 0: no chunking
+    }
+
     def __post_init__(self) -> None:
-        _check_choice("loss_mode", self.loss_mode, policy_loss_modes())
-        _check_choice("kl_loss_type", self.kl_loss_type, KL_PENALTY_TYPES)
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not self.log_prob_chunk_size >= 0:
-            raise ValueError(f"log_prob_chunk_size must be >= 0 (0: no chunking), got {self.log_prob_chunk_size}")
+        check_fields(self, self.FIELD_RULES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,11 +1,12 @@
 """Name -> policy-loss function registry, so configs can select (and users add) modes by string."""
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
 from .aggregation import LOSS_AGG_MODES, Normalization
+from .rules import Rule, at_least, check_fields, greater_than, one_of
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,16 @@ class PolicyLossSettings:
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (``vanilla``)
     loss_agg_mode: str = "token-mean"
 
+    # Each field's rule, declared once: checked here, and by the recipe's config under its keys.
+    FIELD_RULES: ClassVar[dict[str, Rule]] = {
+        "clip_ratio_low": at_least(0),
+        "clip_ratio_high": at_least(0),
+        "clip_ratio_c": greater_than(1),  # vanilla's dual clip caps a negative advantage's loss at -A * c
+        "loss_agg_mode": one_of(LOSS_AGG_MODES),
+    }
+
     def __post_init__(self) -> None:
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(
-                f"loss_agg_mode={self.loss_agg_mode!r} is unknown; valid choices: {', '.join(LOSS_AGG_MODES)}"
-            )
+        check_fields(self, self.FIELD_RULES)
 
 
 class PolicyLossFn(Protocol):

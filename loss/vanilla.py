@@ -23,10 +23,8 @@ def compute_policy_loss_vanilla(
     """Token-level PPO loss; ratios are clipped to [1-low, 1+high].
 
     Dual clip (arXiv 1912.09729): for A < 0 the clipped loss grows without
-    bound in the ratio, so it is capped at -A * clip_ratio_c.
+    bound in the ratio, so it is capped at -A * clip_ratio_c (> 1, ``PolicyLossSettings`` checks).
     """
-    if settings.clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {settings.clip_ratio_c}")
     mask = response_mask.bool()
     log_ratio, advantages = masked_inputs(old_log_prob, log_prob, advantages, mask)
     log_ratio = torch.clamp(log_ratio, -_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)

@@ -321,6 +321,6 @@ def test_shape_mismatch_names_the_tensors():
 
 
 def test_unknown_aggregation_is_rejected_when_the_settings_are_made():
-    with pytest.raises(ValueError, match="loss_agg_mode='token-median' is unknown") as info:
+    with pytest.raises(ValueError, match="loss_agg_mode='token-median': 'token-median' is not a valid choice") as info:
         PolicyLossSettings(**CLIP, loss_agg_mode="token-median")
     assert all(mode in str(info.value) for mode in LOSS_AGG_MODES)

@@ -140,7 +140,7 @@ def test_mc2_not_picked_on_a2_with_small_ep_or_without_ep():
 def test_layout_yaml_unknown_key_names_the_nearest_one():
     data = yaml.safe_load(open("configs/parallel/qwen3_30b_a3b_4x8_a2.yaml"))
     data["actor_rollout_ref"]["actor"]["megatron"]["tensor_model_paralel_size"] = 2
-    with pytest.raises(ConfigError, match="did you mean 'tensor_model_parallel_size'"):
+    with pytest.raises(ConfigError, match="did you mean actor_rollout_ref.actor.megatron.tensor_model_parallel_size"):
         layout_from_dict(data, "typo")
     with pytest.raises(ConfigError, match="must be a positive integer"):
         layout_from_dict({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 0}}}, "zero")

@@ -18,13 +18,13 @@ Unknown keys are errors that name the nearest known key.
 
 from __future__ import annotations
 
-import difflib
 import os
+import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import CONFIGS_DIR, find_config, read_yaml, shipped
+from megatron_bridge.configs import CONFIGS_DIR, check_keys, find_config, read_yaml, section, shipped, typed_value
 from megatron_bridge.plan.platforms import PLATFORMS
 
 NPU_KINDS = ("a2", "a3")
@@ -182,88 +182,47 @@ _CLUSTER_KEYS = {
 }
 
 
-def nearest_key(key: str, known: list[str]) -> str | None:
-    """The known key a misspelt ``key`` most likely meant, if any is close."""
-    near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
-    return near[0] if near else None
-
-
-def check_keys(section: Mapping[str, Any], known: list[str], where: str) -> None:
-    """Raise for the first unknown key, naming the nearest known one."""
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(section).__name__}")
-    for key in section:
-        if key not in known:
-            near = nearest_key(key, known)
-            hint = f"; did you mean {near!r}?" if near else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"{where}.{key}: unknown key{hint}")
-
-
-def _typed(cls, values: Mapping[str, Any], where: str):
-    types = {f.name: f.type for f in fields(cls)}
-    out = {}
-    for name, value in values.items():
-        kind = types[name]
-        if value is None:
-            if "None" not in kind:
-                raise ConfigError(f"{where}: {name} must be set")
-        elif kind.startswith("int"):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{where}: {name}={value!r} must be a positive integer")
-        elif kind.startswith("float"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{where}: {name}={value!r} must be a positive number")
-            value = float(value)
-        elif kind == "bool" and not isinstance(value, bool):
-            raise ConfigError(f"{where}: {name}={value!r} must be true or false")
-        out[name] = value
-    return cls(**out)
-
-
-def _section(data: Mapping[str, Any], path: list[str], where: str) -> Mapping[str, Any]:
-    node: Any = data
-    for key in path:
-        node = node.get(key) or {} if isinstance(node, Mapping) else {}
-        where = f"{where}.{key}" if where else key
-        check_keys(node, list(_CHILDREN.get(key, ())) or list(node), where)
-    return node
-
-
-# Which keys each nesting level may hold.
-_CHILDREN = {
-    "trainer": list(_CLUSTER_KEYS),
-    "actor_rollout_ref": ["actor", "rollout"],
-    "actor": ["megatron"],
-    "megatron": list(_TRAIN_KEYS) + ["override_transformer_config"],
-    "override_transformer_config": list(_TRANSFORMER_KEYS),
-    "rollout": list(_ROLLOUT_KEYS),
+# Each YAML section of a layout: its keys -> the fields of its dataclass.
+_SECTIONS = {
+    "actor_rollout_ref.actor.megatron": (_TRAIN_KEYS, TrainParallel),
+    "actor_rollout_ref.actor.megatron.override_transformer_config": (_TRANSFORMER_KEYS, TrainParallel),
+    "actor_rollout_ref.rollout": (_ROLLOUT_KEYS, RolloutParallel),
+    "trainer": (_CLUSTER_KEYS, Cluster),
 }
 
 
-def _pick(section: Mapping[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
-    return {mapping[k]: v for k, v in section.items() if k in mapping}
+def _base_type(hint: Any) -> Any:
+    return next(a for a in typing.get_args(hint) or (hint,) if a is not type(None))
+
+
+# The layout's value rules, by YAML key: every count (sizes, nodes, layers, sequences) at least 1 and
+# every number above 0, and the choices.
+_BY_TYPE = {
+    int: lambda v: None if v >= 1 else "must be a positive integer",
+    float: lambda v: None if v > 0 else "must be a positive number",
+}
+_RULES = {
+    **{f"{path}.{key}": _BY_TYPE[tp] for path, (keys, cls) in _SECTIONS.items() for key, f in keys.items()
+       if (tp := _base_type(typing.get_type_hints(cls)[f])) in _BY_TYPE},
+    "trainer.device": lambda v: None if v in PLATFORMS else f"choose one of {', '.join(PLATFORMS)}",
+    "trainer.npu_kind": lambda v: None if v in NPU_KINDS else f"choose one of {', '.join(NPU_KINDS)}",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": lambda v: None if 0 < v < 1 else "must be in (0, 1)",
+}
 
 
 def layout_from_dict(data: Mapping[str, Any], name: str) -> Layout:
-    check_keys(data, ["trainer", "actor_rollout_ref"], name)
-    megatron = _section(data, ["actor_rollout_ref", "actor", "megatron"], name)
-    transformer = _section(megatron, ["override_transformer_config"], f"{name}.actor_rollout_ref.actor.megatron")
-    rollout = _section(data, ["actor_rollout_ref", "rollout"], name)
-    cluster = _section(data, ["trainer"], name)
-    train_values = {**_pick(megatron, _TRAIN_KEYS), **_pick(transformer, _TRANSFORMER_KEYS)}
-    layout = Layout(
-        name=name,
-        train=_typed(TrainParallel, train_values, f"{name}: actor_rollout_ref.actor.megatron"),
-        rollout=_typed(RolloutParallel, _pick(rollout, _ROLLOUT_KEYS), f"{name}: actor_rollout_ref.rollout"),
-        cluster=_typed(Cluster, _pick(cluster, _CLUSTER_KEYS), f"{name}: trainer"),
-    )
-    if layout.cluster.device not in PLATFORMS:
-        raise ConfigError(f"{name}: trainer.device={layout.cluster.device!r}; choose one of {', '.join(PLATFORMS)}")
-    if layout.cluster.npu_kind not in (None, *NPU_KINDS):
-        raise ConfigError(f"{name}: trainer.npu_kind={layout.cluster.npu_kind!r}; choose one of {', '.join(NPU_KINDS)}")
-    if not 0 < layout.rollout.gpu_memory_utilization < 1:
-        raise ConfigError(f"{name}: actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1)")
-    return layout
+    check_keys(data, LAYOUT_KEYS, name)
+    values: dict[type, dict[str, Any]] = {TrainParallel: {}, RolloutParallel: {}, Cluster: {}}
+    for path, (keys, cls) in _SECTIONS.items():
+        node, parts = data, path.split(".")
+        for i, part in enumerate(parts):
+            node = section(node.get(part), ".".join(parts[: i + 1]), name)
+        hints = typing.get_type_hints(cls)
+        for key, value in node.items():
+            if key in keys:  # not override_transformer_config, a section of its own
+                values[cls][keys[key]] = typed_value(value, hints[keys[key]], f"{path}.{key}", name, _RULES)
+    return Layout(name=name, train=TrainParallel(**values[TrainParallel]),
+                  rollout=RolloutParallel(**values[RolloutParallel]), cluster=Cluster(**values[Cluster]))
 
 
 def shipped_layouts() -> list[str]:
@@ -287,3 +246,6 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
         "trainer": inv(_CLUSTER_KEYS, c),
         "actor_rollout_ref": {"actor": {"megatron": megatron}, "rollout": inv(_ROLLOUT_KEYS, r)},
     }
+
+
+LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of a layout's keys

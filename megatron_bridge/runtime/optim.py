@@ -4,6 +4,9 @@ importing megatron or the model build."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from loss.rules import Rule, at_least, check_fields, greater_than, one_of
 
 LR_DECAY_STYLES = ("constant", "cosine")
 
@@ -23,9 +26,18 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
 
+    # Each field's rule, declared once: checked here, and by the recipe's config under its keys.
+    FIELD_RULES: ClassVar[dict[str, Rule]] = {
+        "lr": greater_than(0),
+        "lr_warmup_steps": at_least(0),
+        "lr_decay_style": one_of(LR_DECAY_STYLES),
+        "lr_decay_steps": at_least(1),
+        "weight_decay": at_least(0),
+        "clip_grad": greater_than(0),
+    }
+
     def __post_init__(self):
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style={self.lr_decay_style!r}; choose one of {', '.join(LR_DECAY_STYLES)}")
+        check_fields(self, self.FIELD_RULES)
         if self.lr_decay_style == "cosine" and not self.lr_decay_steps:
             raise ValueError("lr_decay_style='cosine' needs lr_decay_steps (the number of optimizer steps)")
         if not 0 <= self.min_lr <= self.lr:

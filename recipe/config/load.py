@@ -1,6 +1,7 @@
 """From files to a ``RecipeConfig``: YAML (with floats as YAML 1.2 reads them), ``key.sub=value``
 overrides, the fragments' merge, ``${}`` references, and the typing of a dict into the schema's
-dataclasses (unknown keys with the nearest known one, types, the rules). Then, in this order,
+dataclasses (``megatron_bridge.configs``'s, which the layout loader uses too: unknown keys with the
+nearest known one, types, and the rules of ``recipe.config.rules``). Then, in this order,
 ``recipe.config.checks`` normalises (fills what is decided from other keys) and checks."""
 
 from __future__ import annotations
@@ -8,19 +9,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import types
-import typing
 from dataclasses import fields
 from typing import Any, Iterable, Mapping
 
 import yaml
 
-from megatron_bridge.configs import YamlLoader, find_config, read_yaml, shipped
+from megatron_bridge.configs import (YamlLoader, check_keys, dotted, find_config, key_tree, read_yaml, shipped,
+                                    typed_fields)
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.plan.layout import layout_from_dict, layout_to_dict, nearest_key
+from megatron_bridge.plan.layout import LAYOUT_KEYS, layout_from_dict, layout_to_dict
 from recipe.config.checks import engine_memory_between_rollouts, normalise, problems
 from recipe.config.rules import RULES
-from recipe.config.schema import DERIVED_FIELDS, LAYOUT_KEYS, RecipeConfig
+from recipe.config.schema import DERIVED_FIELDS, RecipeConfig
 from recipe.verl_compat import check_equal, translate
 
 # ---- YAML and overrides ----------------------------------------------------------------------
@@ -118,134 +118,18 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
-# ---- typing: dict -> dataclasses -------------------------------------------------------------
+# ---- typing: dict -> dataclasses (megatron_bridge.configs), the layout keys to the layout -----
+
+_KEYS = key_tree(RecipeConfig, LAYOUT_KEYS, DERIVED_FIELDS)  # every key of a recipe, the layout's included
 
 
 def _build(data: Mapping[str, Any], name: str, ignored: tuple[str, ...] = ()) -> RecipeConfig:
-    unknown = _unknown_keys(data, RecipeConfig, LAYOUT_KEYS, "")
-    if unknown:
-        raise ConfigError(f"{name}: {len(unknown)} unknown key(s):\n" + "\n".join(f"  - {u}" for u in unknown))
+    check_keys(data, _KEYS, name)
     layout_part: dict = {}
-    values = _typed_fields(RecipeConfig, data, "", LAYOUT_KEYS, layout_part, name)
+    values = typed_fields(RecipeConfig, data, "", name, RULES, DERIVED_FIELDS, LAYOUT_KEYS, layout_part)
     layout = layout_from_dict(layout_part, name)
     layout_name = os.path.basename(values.get("parallel", RecipeConfig.parallel)).removesuffix(".yaml")
     return RecipeConfig(**values, layout=dataclasses.replace(layout, name=layout_name), ignored=ignored)
-
-
-def _unknown_keys(data: Any, cls, layout_keys: Any, key: str) -> list[str]:
-    """Every unknown key under ``data`` (the schema ``cls`` and the layout keys), each with the
-    nearest known one, so that one error lists them all."""
-    if not isinstance(data, Mapping):
-        return []  # a non-mapping section is a type error, reported when typing
-    schema = {f.name: f for f in fields(cls) if f.name not in DERIVED_FIELDS} if cls is not None else {}
-    layout_keys = layout_keys if isinstance(layout_keys, Mapping) else {}
-    known = list(schema) + [k for k in layout_keys if k not in schema]
-    hints = typing.get_type_hints(cls) if cls is not None else {}
-    out = []
-    for sub, value in data.items():
-        if sub not in known:
-            near = nearest_key(sub, known)
-            out.append(f"{_join(key, str(sub))}: unknown key; "
-                       + (f"did you mean {_join(key, near)}?" if near else f"known keys here: {', '.join(known)}"))
-        else:
-            nested = hints.get(sub) if dataclasses.is_dataclass(hints.get(sub)) else None
-            if nested is not None or isinstance(layout_keys.get(sub), Mapping):
-                out += _unknown_keys(value, nested, layout_keys.get(sub, {}), _join(key, sub))
-    return out
-
-
-def _join(key: str, sub: str) -> str:
-    return f"{key}.{sub}" if key else sub
-
-
-def _mapping(data: Any, key: str, name: str) -> Mapping:
-    """A section's keys (an absent one has none); its unknown keys were listed before typing began
-    (``_unknown_keys``)."""
-    data = {} if data is None else data
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{name}: {key}={data!r}: expected a mapping of keys")
-    return data
-
-
-def _typed_fields(cls, data: Any, key: str, layout_keys: Mapping, layout_out: dict, name: str) -> dict:
-    """The fields of ``cls`` from ``data``, typed and checked; layout keys go to ``layout_out``."""
-    data = _mapping(data, key, name)
-    schema = {f.name: f for f in fields(cls) if f.name not in DERIVED_FIELDS}
-    hints = typing.get_type_hints(cls)
-    for sub, value in data.items():
-        if sub not in schema:
-            layout_out[sub] = _layout_only(value, layout_keys[sub], _join(key, sub), name)
-    values = {}
-    for sub, f in schema.items():
-        sub_key, hint = _join(key, sub), hints[sub]
-        if sub in data:
-            value = data[sub]
-        elif dataclasses.is_dataclass(hint):
-            value = {}  # an absent section: its defaults, or an error naming its first required key
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{name}: {sub_key} is required; set it in the recipe or override {sub_key}=...")
-        else:
-            continue
-        if dataclasses.is_dataclass(hint):
-            nested_layout = layout_out.setdefault(sub, {}) if sub in layout_keys else {}
-            values[sub] = _construct(hint, value, sub_key, layout_keys.get(sub, {}), nested_layout, name)
-        else:
-            values[sub] = _coerce(value, hint, sub_key, name)
-    return values
-
-
-def _construct(cls, data: Any, key: str, layout_keys: Mapping, layout_out: dict, name: str):
-    values = _typed_fields(cls, data, key, layout_keys, layout_out, name)
-    try:
-        return cls(**values)
-    except ValueError as e:  # checks of classes owned elsewhere (OptimConfig, RolloutCorrectionConfig)
-        raise ConfigError(f"{name}: {key}: {e}") from e
-
-
-def _layout_only(value: Any, layout_keys: Any, key: str, name: str) -> Any:
-    """A layout leaf as given, or a layout-only section checked key by key."""
-    if not isinstance(layout_keys, Mapping):
-        return value
-    return {sub: _layout_only(v, layout_keys[sub], _join(key, sub), name) for sub, v in _mapping(value, key, name).items()}
-
-
-def _type_name(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a mapping of keys"
-                                                                                             if typing.get_origin(tp) is dict else str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str, name: str) -> Any:
-    union = isinstance(tp, types.UnionType)
-    members = [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]
-    expected = " or ".join(_type_name(a) for a in members)
-    if value is None:
-        if union and type(None) in typing.get_args(tp):
-            return None
-        raise ConfigError(f"{name}: {key}=null: expected {expected}; set a value or drop the key for the default")
-    tp = members[0]
-    if len(members) > 1:  # e.g. verl's thresholds: a number or a "lower_upper" string
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        tp = next((a for a in members if (number if a is float else isinstance(value, a))), None)
-        if tp is None:
-            raise ConfigError(f"{name}: {key}={value!r}: expected {expected}")
-    if typing.get_origin(tp) is list:
-        items = [value] if isinstance(value, str) else value  # a single file or logger name
-        if not isinstance(items, list):
-            raise ConfigError(f"{name}: {key}={value!r}: expected a list of strings, e.g. [a, b]")
-        value = [_coerce(item, typing.get_args(tp)[0], f"{key}[{i}]", name) for i, item in enumerate(items)]
-    elif typing.get_origin(tp) is dict:  # free-form, passed on as it is (engine arguments)
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{name}: {key}={value!r}: expected a mapping of keys")
-        value = dict(value)
-    elif tp is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    elif not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"{name}: {key}={value!r}: expected {_type_name(tp)}")
-    rule = RULES.get(key)
-    problem = rule(value) if rule else None
-    if problem:
-        raise ConfigError(f"{name}: {key}={value!r}: {problem}")
-    return value
 
 
 # ---- interpolation: ${dotted.key} in string values -------------------------------------------
@@ -276,7 +160,7 @@ def _interpolate(data: dict, name: str) -> dict:
 
     def walk(node: Any, key: str) -> Any:
         if isinstance(node, Mapping):
-            return {k: walk(v, _join(key, k)) for k, v in node.items()}
+            return {k: walk(v, dotted(key, k)) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v, key) for v in node]
         return resolve(node, (key,))

@@ -1,28 +1,20 @@
 """What each value must be, by dotted key: the choices and bounds that the annotations' types do not
-say. ``recipe.config.load`` applies them while typing, so an error names the key."""
+say. ``recipe.config.load`` applies them while typing, so an error names the key. The loss keys' and
+the optimizer's rules are their library dataclasses' (``FIELD_RULES``, which those check too), named
+here by the recipe's keys; the vocabulary (``at_least``, ``one_of`` ...) is ``loss.rules``."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
-
-from loss import KL_PENALTY_TYPES, LOSS_AGG_MODES, policy_loss_modes
+from loss import KL_PENALTY_TYPES, PolicyLossSettings
+from loss.megatron_hook import ActorLossConfig
+from loss.rules import Rule, at_least, greater_than, one_of
 from megatron_bridge.runtime.batch import ReplayMode
-from megatron_bridge.runtime.optim import LR_DECAY_STYLES
+from megatron_bridge.runtime.optim import OptimConfig
 from recipe.config.schema import CHECKPOINT_CONTENTS
 from recipe.rollout import ENGINES
 
 
 # ---- value rules (by dotted key; types come from the annotations) ----------------------------
-
-Rule = Callable[[Any], "str | None"]  # the requirement a bad value misses, None when it is fine
-
-
-def at_least(low: int | float) -> Rule:
-    return lambda v: None if v >= low else f"must be >= {low}"
-
-
-def greater_than(low: float) -> Rule:
-    return lambda v: None if v > low else f"must be > {low}"
 
 
 def in_unit_interval(v: float) -> str | None:
@@ -57,18 +49,6 @@ def freq_rule(v: int) -> str | None:
     return None if v == -1 or v >= 1 else "must be -1 (never) or >= 1"
 
 
-def one_of(choices: Iterable[str] | Callable[[], Iterable[str]]) -> Rule:
-    """A choice rule; a callable is asked at check time (policy losses can be registered later)."""
-
-    def check(value: Any) -> str | None:
-        valid = tuple(choices() if callable(choices) else choices)
-        values = value if isinstance(value, list) else [value]
-        bad = [v for v in values if v not in valid]
-        return f"{bad[0]!r} is not a valid choice; choose from {', '.join(valid)}" if bad else None
-
-    return check
-
-
 POSITIVE = at_least(1)
 TRUNCATIONS = ("error", "left", "right")
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -84,6 +64,7 @@ FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")
 
 ACTOR = "actor_rollout_ref.actor"  # the key prefixes the rules and the checks name
 ROLLOUT = "actor_rollout_ref.rollout"
+_LOSS = ActorLossConfig.FIELD_RULES
 RULES: dict[str, Rule] = {
     "data.train_files": lambda v: None if v else "must name at least one file (or builtin:tiny)",
     "data.max_prompt_length": POSITIVE,
@@ -99,21 +80,15 @@ RULES: dict[str, Rule] = {
     f"{ACTOR}.ppo_max_token_len_per_gpu": POSITIVE,
     f"{ROLLOUT}.log_prob_max_token_len_per_gpu": POSITIVE,
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": POSITIVE,
-    f"{ACTOR}.clip_ratio_low": at_least(0),
-    f"{ACTOR}.clip_ratio_high": at_least(0),
-    f"{ACTOR}.clip_ratio_c": greater_than(1),  # dual-clip bound on the ratio for negative advantages
-    f"{ACTOR}.loss_agg_mode": one_of(LOSS_AGG_MODES),
-    f"{ACTOR}.policy_loss.loss_mode": one_of(policy_loss_modes),
-    f"{ACTOR}.kl_loss_coef": at_least(0),
-    f"{ACTOR}.kl_loss_type": one_of(KL_PENALTY_TYPES),
-    f"{ACTOR}.optim.lr": greater_than(0),
-    f"{ACTOR}.optim.lr_warmup_steps": at_least(0),
-    f"{ACTOR}.optim.lr_decay_style": one_of(LR_DECAY_STYLES),
-    f"{ACTOR}.optim.lr_decay_steps": POSITIVE,
-    f"{ACTOR}.optim.weight_decay": at_least(0),
-    f"{ACTOR}.optim.clip_grad": greater_than(0),
+    # the loss keys and the optimizer's: their library dataclasses' rules, under the recipe's keys
+    **{f"{ACTOR}.{field}": rule for field, rule in PolicyLossSettings.FIELD_RULES.items()},  # flat, as verl's
+    f"{ACTOR}.policy_loss.loss_mode": _LOSS["loss_mode"],
+    f"{ACTOR}.kl_loss_coef": _LOSS["kl_loss_coef"],
+    f"{ACTOR}.kl_loss_type": _LOSS["kl_loss_type"],
+    f"{ACTOR}.megatron.log_prob_chunk_size": _LOSS["log_prob_chunk_size"],
+    f"{ROLLOUT}.temperature": _LOSS["temperature"],  # the engine samples with it, the actor divides logits by it
+    **{f"{ACTOR}.optim.{field}": rule for field, rule in OptimConfig.FIELD_RULES.items()},
     f"{ACTOR}.megatron.router_replay.mode": one_of(ROUTER_REPLAY_MODES),
-    f"{ACTOR}.megatron.log_prob_chunk_size": at_least(0),
     f"{ACTOR}.optim.lr_warmup_steps_ratio": lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
     "data.gen_batch_size": POSITIVE,
     "algorithm.kl_penalty": one_of(KL_PENALTY_TYPES),
@@ -127,7 +102,6 @@ RULES: dict[str, Rule] = {
     "trainer.save_on_sigterm_grace_s": at_least(0),
     f"{ROLLOUT}.name": one_of(ROLLOUT_NAMES),
     f"{ROLLOUT}.n": POSITIVE,
-    f"{ROLLOUT}.temperature": greater_than(0),  # the actor divides logits by it
     f"{ROLLOUT}.top_p": in_unit_interval,
     f"{ROLLOUT}.top_k": top_k_rule,
     f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": POSITIVE,

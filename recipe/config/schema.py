@@ -10,12 +10,11 @@ from typing import Any
 
 from loss import PolicyLossSettings, RolloutCorrectionConfig
 from loss.megatron_hook import ActorLossConfig
-from megatron_bridge.plan.layout import Layout, layout_to_dict
+from megatron_bridge.plan.layout import Layout
 from megatron_bridge.runtime.optim import OptimConfig
 
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_TASKS = ("tiny", "tiny_long", "tiny_long_tail")  # builtin:<task>, built by recipe/data/tiny_task.py
-LAYOUT_KEYS = layout_to_dict(Layout(name="keys"))  # the tree of layout key names
 DERIVED_FIELDS = ("layout", "ignored", "notes")  # RecipeConfig fields built while loading, not YAML keys
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")  # verl's names: weights, optimizer state, schedule/RNG/step
 
