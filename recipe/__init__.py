@@ -1,10 +1,10 @@
 """The RL loop, one room per concern:
 
-- ``config`` (with ``verl_compat``: verl's key spellings): the one typed, checked recipe config;
+- ``config``: the one typed, checked recipe config, verl's key spellings included (``config.verl``);
 - ``data``: prompt files and the built-in tiny tasks;
 - ``reward``: rule rewards and user reward functions;
 - ``rollout``: the rollout engines behind one interface, their registry, the weight sync;
-- ``workers``: one Ray actor per device, composed of an actor role and a rollout role, or apart;
+- ``workers``: one Ray actor per device, with an actor role, a rollout role or both;
 - ``driver``: the trainer (one RL step, read top to bottom) and its helpers;
 - ``run_dir``: a run's directory on disk (its files, the checkpoints' layout, what a run resumes from);
 - ``tracking``: metrics and loggers;

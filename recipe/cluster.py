@@ -32,7 +32,7 @@ from megatron_bridge.configs import CONFIGS_DIR
 from megatron_bridge.errors import ConfigError
 from recipe.config import builtin_task, deep_merge, parse_overrides, read_yaml
 from recipe.run_dir import check_free
-from recipe.verl_compat import MISSING, get_dotted
+from recipe.config.verl import MISSING, get_dotted
 
 RUNTIME_ENV_DIR = os.path.join(CONFIGS_DIR, "runtime_env")
 RUNTIME_ENV_FOR_DEVICE = {"npu": "mc2.yaml", "cuda": "base.yaml", "cpu": "base.yaml"}

@@ -20,7 +20,8 @@ verl's batch arithmetic, and the layout against the model with the planner's rul
 ``ConfigError`` naming the key and the fix.
 
 One concern a module: ``schema`` (the dataclasses), ``rules`` (each value's rule), ``load`` (YAML,
-overrides, references, typing), ``checks`` (normalise, then check across keys).
+overrides, references, typing), ``checks`` (normalise, then check across keys), ``verl`` (verl's
+key spellings, translated before the typing).
 """
 
 from megatron_bridge.configs import read_yaml

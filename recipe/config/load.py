@@ -21,7 +21,7 @@ from megatron_bridge.plan.layout import LAYOUT_KEYS, layout_from_dict, layout_to
 from recipe.config.checks import engine_memory_between_rollouts, normalise, problems
 from recipe.config.rules import RULES
 from recipe.config.schema import DERIVED_FIELDS, RecipeConfig
-from recipe.verl_compat import check_equal, translate
+from recipe.config.verl import check_equal, translate
 
 # ---- YAML and overrides ----------------------------------------------------------------------
 
@@ -90,7 +90,7 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RecipeConfig:
 
 def config_from_dict(data: Mapping[str, Any], name: str) -> RecipeConfig:
     """Type and validate an already composed config (``name`` labels the errors: the file). verl's
-    spellings are translated first (``recipe.verl_compat``)."""
+    spellings are translated first (``recipe.config.verl``)."""
     verl = translate(data)
     if verl.errors:
         raise ConfigError(f"{name}: verl keys that do not apply here:\n" + "\n".join(f"  - {e}" for e in verl.errors))

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_bridge.errors import ConfigError
 from recipe.config import load_config, parse_overrides
-from recipe.verl_compat import translate
+from recipe.config.verl import translate
 
 BIG = "configs/recipe/qwen3_30b_a3b_gspo.yaml"
 TINY = "configs/recipe/tiny_gspo.yaml"
