@@ -25,7 +25,7 @@ CONFIGS_DIR = _INSTALLED if os.path.isdir(_INSTALLED) else os.path.join(os.path.
 
 
 def shipped(kind: str) -> list[str]:
-    """Names of the YAMLs in configs/<kind>/ (kind: recipe, algo, parallel, model, runtime_env)."""
+    """Names of the YAMLs in configs/<kind>/ (kind: recipe, algo, parallel, model, runtime_env, hardware)."""
     return sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(CONFIGS_DIR, kind)) if f.endswith(".yaml"))
 
 

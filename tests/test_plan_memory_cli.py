@@ -272,9 +272,19 @@ def test_rollout_pool_too_small_for_its_weights_is_named():
     assert violation.rule == "memory.rollout_pool_fits" and "56.9 GiB per device" in violation.message
 
 
+def _without_step(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(the lines without the predicted step's block, the block)."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("predicted RL step"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("  rollout decode:")) + 1
+    return lines[:start] + lines[end:], lines[start:end]
+
+
 def test_check_without_the_rollout_flags_is_unchanged_and_with_them_changes_only_the_rollout_lines():
+    """The rollout's lines, and the predicted step's schedule (test_plan_step_time)."""
     args = ("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3")
-    colocated, split = _cli(*args).stdout.splitlines(), _cli(*args, *SPLIT).stdout.splitlines()
+    (colocated, colocated_step), (split, split_step) = (_without_step(_cli(*a).stdout.splitlines())
+                                                        for a in (args, (*args, *SPLIT)))
+    assert "colocated" in colocated_step[-2] and "one step off" in split_step[-2]
     at = colocated.index(next(line for line in colocated if line.startswith("  rollout weights")))
     expected = (colocated[:3] + ["rollout pool: 2 x 16 npu = 32 devices of its own (hybrid_engine=false)"]
                 + colocated[3:at]
@@ -286,6 +296,7 @@ def test_check_without_the_rollout_flags_is_unchanged_and_with_them_changes_only
     plain, own = json.loads(_cli(*args, "--json").stdout), json.loads(_cli(*args, *SPLIT, "--json").stdout)
     assert "rollout_pool" not in plain and "kept_during_rollout" in plain["memory_bytes"]
     pool = own.pop("rollout_pool")
+    assert "one step off" in own.pop("step_time_s")["schedule"] and plain.pop("step_time_s")
     for key in ("kept_during_rollout", "offload_host"):  # nothing of the rollout's on the training devices
         plain["memory_bytes"].pop(key)
     assert own == plain

@@ -4,6 +4,12 @@
                                           [--rollout-nnodes RN --rollout-devices-per-node RD]
     python -m megatron_bridge.plan search --model M --nnodes N --devices-per-node D [--device-memory-gb G] [--top K] [--write out.yaml]
 
+Both predict an RL step's time per layout (an ESTIMATE, megatron_bridge.plan.step_time) for a
+workload (--seq-len, --prompt-len, --response-len, --global-batch, --mini-batch) at the rates of a
+hardware sheet (configs/hardware/, --hardware) or your own (--tflops, --hbm-bandwidth,
+--link-bandwidth), under switchable assumptions (--mfu, --link-efficiency, --hbm-efficiency,
+--overlap-grad-sync); search ranks the layouts that fit by it.
+
 Exit codes: 0 valid, 1 invalid (every violated rule is printed), 2 unusable arguments.
 """
 
@@ -19,23 +25,46 @@ import yaml
 from megatron_bridge.atomic import write_text
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import memory
+from megatron_bridge.plan.hardware import Assumptions, Overrides, Rates, hardware_for, load_hardware
 from megatron_bridge.plan.layout import Cluster, layout_to_dict, load_layout
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.plan.platforms import PLATFORMS
 from megatron_bridge.plan.search import search, why
+from megatron_bridge.plan.step_time import CostModel, Workload
 from megatron_bridge.plan.verdict import Verdict, describe, evaluate, gib_text, print_verdict, verdict_json
 
 DEFAULT_SEQ_LEN = 4096
+# configs/recipe/qwen3_30b_a3b_gspo.yaml: 256 prompts x 16 responses per RL step, mini-batches of
+# 32 prompts, prompts of at most 2048 tokens
+DEFAULT_GLOBAL_BATCH = 256 * 16
+DEFAULT_MINI_BATCH = 32 * 16
+DEFAULT_PROMPT_LEN = 2048
+NO_RATES = ("no predicted step: no rates for {device} devices; give --tflops, --hbm-bandwidth and "
+            "--link-bandwidth intra=GB/s,inter=GB/s")
+
+
+def _seconds(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10 else f"{x:.1f}"
 
 
 def print_table(verdicts: list[Verdict], devices_per_node: int) -> None:
-    header = f"{'#':>3}  {'layout':<55} {'train peak':>12} {'static':>11} {'fits':>5}  why ranked here"
+    """One row a layout; with a predicted step, its seconds: the whole step, compute, communication
+    (collectives, pipeline bubble and sends, weight sync) and the rollout."""
+    timed = verdicts[0].step is not None
+    step_header = f" {'step s':>7} {'compute':>8} {'comm':>7} {'rollout':>8}" if timed else ""
+    header = f"{'#':>3}  {'layout':<55} {'train peak':>12} {'static':>11} {'fits':>5}{step_header}  why ranked here"
     print(header)
     print("-" * len(header))
     for i, v in enumerate(verdicts, 1):
         fits = {None: "?", True: "yes", False: "no"}[v.memory.fits]
+        step = ""
+        if timed:
+            sec = v.step.seconds
+            comm = sum(sec.values()) - sec["compute"] - sec["rollout"]
+            step = (f" {_seconds(v.step.total):>7} {_seconds(sec['compute']):>8} {_seconds(comm):>7} "
+                    f"{_seconds(sec['rollout']):>8}")
         print(f"{i:>3}  {describe(v.layout):<55} {gib_text(v.memory.train_peak):>12} "
-              f"{gib_text(v.memory.static.total):>11} {fits:>5}  {why(v, devices_per_node)}")
+              f"{gib_text(v.memory.static.total):>11} {fits:>5}{step}  {why(v, devices_per_node)}")
 
 
 # ---- the command ----------------------------------------------------------------------------
@@ -75,6 +104,28 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{value} must be <= 1 (a share of the peak)")
+    return value
+
+
+LINKS = ("intra", "inter")
+
+
+def _links(text: str) -> dict[str, float]:
+    """An argparse type: ``intra=GB/s,inter=GB/s`` (either or both)."""
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in LINKS:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected intra=GB/s and/or inter=GB/s, e.g. intra=149,inter=25")
+        out[key.strip()] = _positive_float(value)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m megatron_bridge.plan", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +148,32 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens a chunk of the log-prob and entropy pass holds in float32 "
                             f"(actor.megatron.log_prob_chunk_size; default {memory.LOG_PROB_CHUNK_TOKENS}, 0: no chunks)")
         p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+        step = p.add_argument_group("predicted step time (an ESTIMATE; docs/launch.md, 'Predicted step time')")
+        step.add_argument("--prompt-len", type=_positive_int,
+                          help=f"mean prompt tokens (default {DEFAULT_PROMPT_LEN}, at most half of --seq-len)")
+        step.add_argument("--response-len", type=_positive_int,
+                          help="mean response tokens (default --seq-len - --prompt-len: every response as long "
+                               "as allowed); the longest is --seq-len - --prompt-len")
+        step.add_argument("--global-batch", type=_positive_int, default=DEFAULT_GLOBAL_BATCH,
+                          help=f"sequences per RL step, prompts x responses (default {DEFAULT_GLOBAL_BATCH})")
+        step.add_argument("--mini-batch", type=_positive_int, default=DEFAULT_MINI_BATCH,
+                          help=f"sequences per optimizer step (default {DEFAULT_MINI_BATCH})")
+        step.add_argument("--hardware", help="a hardware sheet (configs/hardware/*.yaml, by name or path); "
+                                             "default: the cluster's device (A2, A3, H100)")
+        step.add_argument("--tflops", type=_positive_float, help="peak bf16 TFLOPS per device (the MFU applies)")
+        step.add_argument("--hbm-bandwidth", type=_positive_float, help="memory GB/s per device, as achieved")
+        step.add_argument("--link-bandwidth", type=_links, default={}, metavar="intra=GB/s,inter=GB/s",
+                          help="per device, one direction, as achieved (e.g. intra=149,inter=25)")
+        defaults = Assumptions()
+        step.add_argument("--mfu", type=_fraction, default=defaults.mfu,
+                          help=f"share of peak bf16 the kernels reach (default {defaults.mfu})")
+        step.add_argument("--link-efficiency", type=_fraction, default=defaults.link_efficiency,
+                          help=f"share of a link's peak a collective reaches (default {defaults.link_efficiency})")
+        step.add_argument("--hbm-efficiency", type=_fraction, default=defaults.hbm_efficiency,
+                          help=f"share of peak memory bandwidth decoding reaches (default {defaults.hbm_efficiency})")
+        step.add_argument("--overlap-grad-sync", action="store_true",
+                          help="gradient reduce-scatter and parameter all-gather overlap compute "
+                               "(megatron's overlap_grad_reduce / overlap_param_gather; off in this project's actor)")
 
     check = sub.add_parser("check", help="validate one layout YAML for a model and cluster",
                            description="Validate a layout; print every violated rule, the memory per device and MC2 facts.")
@@ -137,17 +214,39 @@ def _check_rollout_pool_flags(args) -> None:
         args.subparser.error(f"{other} needs {missing[0]} too (the rollout's own pool: nodes and devices per node)")
 
 
+def cost_model(args, cluster: Cluster) -> CostModel | None:
+    """The workload, rates and assumptions of the arguments; None when no rates are known."""
+    prompt = args.prompt_len or min(DEFAULT_PROMPT_LEN, args.seq_len // 2)
+    workload = Workload(seq_len=args.seq_len, prompt_len=prompt, response_len=args.response_len or args.seq_len - prompt,
+                        global_batch=args.global_batch, mini_batch=args.mini_batch,
+                        micro_batch_size=args.micro_batch_size, reference=args.reference_model)
+    sheet = load_hardware(args.hardware) if args.hardware else hardware_for(cluster)
+    if sheet is not None and sheet.device != cluster.device:
+        raise ConfigError(f"--hardware {args.hardware}: a {sheet.device} sheet, the cluster's device is {cluster.device}")
+    assume = Assumptions(mfu=args.mfu, link_efficiency=args.link_efficiency, hbm_efficiency=args.hbm_efficiency,
+                         overlap_grad_sync=args.overlap_grad_sync)
+    given = Overrides(tflops=args.tflops, hbm_gb_s=args.hbm_bandwidth,
+                      intra_node_gb_s=args.link_bandwidth.get("intra"), inter_node_gb_s=args.link_bandwidth.get("inter"))
+    rates = Rates.of(sheet, assume, given)
+    return CostModel(workload, rates, assume) if rates else None
+
+
 def run_check(args) -> int:
     spec = load_model_spec(args.model)
     layout = load_layout(args.parallel).with_cluster(**_cluster_overrides(args))
     if args.rollout_nnodes is not None:
         layout = layout.with_rollout_pool(args.rollout_nnodes, args.rollout_devices_per_node)
+    cost = cost_model(args, layout.cluster)
     v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model, not args.padded,
                  args.log_prob_chunk_size, longest=True)
+    if cost is not None and v.memory is not None:  # a layout that breaks a rule has no plan to time
+        v = replace(v, step=cost.predict(spec, layout))
     if args.json:
         print(json.dumps(verdict_json(v), indent=2))
     else:
         print_verdict(spec, v, args.seq_len)
+        if cost is None:
+            print(NO_RATES.format(device=layout.cluster.device))
     return 0 if v.valid else 1
 
 
@@ -159,9 +258,10 @@ def run_search(args) -> int:
                       npu_kind=args.npu_kind, device_memory_gb=args.device_memory_gb)
     if not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1)")
+    cost = cost_model(args, cluster)
     verdicts = search(spec, cluster, args.seq_len, args.micro_batch_size, not args.no_recompute,
                       args.gpu_memory_utilization, not args.no_offload, args.include_oom, args.reference_model,
-                      not args.padded, args.log_prob_chunk_size)
+                      not args.padded, args.log_prob_chunk_size, cost)
     shown = verdicts[: args.top]
     if args.json:
         print(json.dumps([verdict_json(v) for v in shown], indent=2))
@@ -169,6 +269,13 @@ def run_search(args) -> int:
         print(f"{spec.name} on {cluster.nnodes} x {cluster.devices_per_node} "
               f"({cluster.device_memory_gb or '?'} GiB each), seq_len {args.seq_len}: "
               f"{len(verdicts)} valid layout(s){'' if args.include_oom else ' that fit'}, best first")
+        if cost is None:
+            print(NO_RATES.format(device=cluster.device) + "; ranked by rules of thumb")
+        else:
+            w, a = cost.workload, cost.assumptions
+            print(f"ranked by predicted RL step (ESTIMATE, seconds; rates: {cost.rates.hardware}, MFU {a.mfu:g}, "
+                  f"link efficiency {a.link_efficiency:g}): {w.global_batch} sequences of {w.prompt_len} prompt + "
+                  f"{w.response_len} response tokens (mean), {w.optimizer_steps} optimizer steps")
         if shown:
             print_table(shown, cluster.devices_per_node)
     if not verdicts:

@@ -3,9 +3,13 @@ validator accepts and the memory estimate fits, best first (``python -m megatron
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron_bridge.plan import memory
+from megatron_bridge.plan.collectives import Groups
 from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel
 from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.plan.step_time import CostModel
 from megatron_bridge.plan.validate import divisors, rollout_tp_ok, validate
 from megatron_bridge.plan.verdict import Verdict, evaluate
 
@@ -72,18 +76,34 @@ def _tight(v: Verdict) -> bool:
 
 
 def rank_key(v: Verdict, devices_per_node: int):
+    """With a predicted step: memory to spare first, then the fastest step. Without one (no rates
+    known), and between equal steps, the rules of thumb: TP inside a node, memory to spare, fewer
+    stages and TP, whole experts, more expert shards, lower peak."""
     t = v.layout.train
     cross_node_tp = t.tp > devices_per_node
-    return (cross_node_tp, _tight(v), t.pp, t.tp, t.expert_tp, -t.ep, v.memory.train_peak)
+    rules = (cross_node_tp, _tight(v), t.pp, t.tp, t.expert_tp, -t.ep, v.memory.train_peak)
+    return rules if v.step is None else (_tight(v), v.step.total, *rules)
+
+
+# The training's communication and idle terms (step_time.TERMS), as the table's last column names them.
+_SHORT = {"tensor_parallel": "TP", "expert_all_to_all": "expert dispatch", "context_parallel": "CP",
+          "pipeline_bubble": "bubble", "pipeline_p2p": "PP p2p", "gradient_sync": "grad reduce-scatter",
+          "parameter_gather": "param all-gather"}
 
 
 def why(v: Verdict, devices_per_node: int) -> str:
     t = v.layout.train
-    parts = ["TP within a node" if t.tp <= devices_per_node else "TP crosses nodes (slow)"]
-    parts.append("no pipeline bubble" if t.pp == 1 else f"{t.pp} pipeline stages")
-    if t.expert_tp == 1:
-        parts.append("whole experts per device (ETP1)")
-    parts.append(f"{t.ep} expert shards")
+    parts = [] if t.tp <= devices_per_node else ["TP crosses nodes (slow)"]
+    ep = Groups.of(v.layout).ep
+    if t.ep > 1:
+        nodes = -(-t.ep // ep.members_per_node(devices_per_node))
+        parts.append(f"EP{t.ep} " + (f"across {nodes} nodes" if ep.crosses_nodes(devices_per_node) else "inside a node"))
+    if v.step is not None:
+        biggest = max(_SHORT, key=v.step.seconds.__getitem__)
+        if v.step.seconds[biggest]:
+            parts.append(f"most communication: {_SHORT[biggest]} {v.step.seconds[biggest] / v.step.total:.0%}")
+    else:
+        parts.append("no pipeline bubble" if t.pp == 1 else f"{t.pp} pipeline stages")
     if v.memory.device_bytes:
         share = v.memory.train_peak / v.memory.device_bytes
         parts.append(f"peak {share:.0%} of device" + (" (tight)" if _tight(v) else ""))
@@ -92,12 +112,14 @@ def why(v: Verdict, devices_per_node: int) -> str:
 
 def search(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch_size: int, recompute: bool,
            utilization: float, offload: bool, include_oom: bool, reference: bool = False, packed: bool = True,
-           log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS) -> list[Verdict]:
+           log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, cost: CostModel | None = None) -> list[Verdict]:
+    """Valid layouts (with ``include_oom``, those that do not fit too, after the ones that do),
+    each with its predicted step where ``cost`` is given, best first (``rank_key``)."""
     verdicts = []
     for layout in candidates(spec, cluster, recompute, utilization, offload):
         if validate(spec, layout, seq_len):
             continue  # search shows structurally valid layouts only
         v = evaluate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size)
         if v.valid or include_oom:
-            verdicts.append(v)
+            verdicts.append(replace(v, step=cost.predict(spec, layout)) if cost else v)
     return sorted(verdicts, key=lambda v: (not v.valid, rank_key(v, cluster.devices_per_node)))

@@ -4,9 +4,10 @@ what the recipe checks its layout with before anything starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from megatron_bridge.plan import mc2, memory
+from megatron_bridge.plan.step_time import TERMS, StepTime
 from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.plan.validate import Violation, notes, validate
@@ -21,6 +22,7 @@ class Verdict:
     notes: list[str]
     # the longest sequence whose training fits (memory.longest_sequence), when asked for and known
     longest_sequence: int | None = None
+    step: StepTime | None = None  # the predicted RL step (step_time), where the rates are known
 
     @property
     def valid(self) -> bool:
@@ -129,6 +131,8 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
     if v.longest_sequence is not None:
         print(f"longest sequence whose training fits: {v.longest_sequence:,} tokens (estimate, at this "
               f"micro-batch size; the model's max_position_embeddings: {spec.max_position_embeddings:,})")
+    if v.step is not None:
+        print_step_time(v.step)
     p = v.mc2
     if p.applies:
         print(f"rollout MoE communication: {p.method} ({p.reason})")
@@ -144,6 +148,29 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
             print(f"  - {violation}")
     else:
         print("VALID")
+
+
+def print_step_time(step: StepTime) -> None:
+    """The predicted RL step and where its time goes (an ESTIMATE: nothing of it is measured here)."""
+    a = step.assumptions
+    print(f"predicted RL step (ESTIMATE; rates: {step.rates.hardware}, MFU {a.mfu:g}, link efficiency "
+          f"{a.link_efficiency:g}, HBM efficiency {a.hbm_efficiency:g}, gradient sync "
+          f"{'overlapped' if a.overlap_grad_sync else 'not overlapped'}):")
+    for key, label in TERMS:
+        seconds = step.seconds[key]
+        if seconds:
+            print(f"  {label:<44} {seconds:>10.1f} s  {seconds / step.total:>4.0%}")
+    print(f"  {'step':<44} {step.total:>10.1f} s  ({step.schedule})")
+    print(f"  rollout decode: {step.decode_tokens_per_s:,.0f} tokens/s over the whole rollout")
+
+
+def step_time_json(step: StepTime) -> dict:
+    r = step.rates
+    return {"total": step.total, "schedule": step.schedule, "terms": dict(step.seconds),
+            "decode_tokens_per_s": step.decode_tokens_per_s,
+            "rates": {"hardware": r.hardware, "flops": r.flops, "hbm_bytes_s": r.hbm,
+                      "intra_node_bytes_s": r.intra, "inter_node_bytes_s": r.inter},
+            "assumptions": asdict(step.assumptions)}
 
 
 def _print_rollout_pool(layout: Layout, pool: memory.RolloutPoolMemory) -> None:
@@ -180,6 +207,8 @@ def verdict_json(v: Verdict) -> dict:
         out["rollout_pool"] = _rollout_pool_json(v.layout, v.memory)
     if v.mc2 is not None:
         out["mc2"] = {"method": v.mc2.method, "hccl_buffsize_mb": v.mc2.hccl_buffsize_mb}
+    if v.step is not None:
+        out["step_time_s"] = step_time_json(v.step)
     return out
 
 

@@ -1,0 +1,131 @@
+"""What a device computes and moves per second, as the step-time model (``step_time``) needs it.
+
+The figures are data, ``configs/hardware/<name>.yaml``, each with its public source and whether it
+is a data-sheet peak or a measurement (and by whom); ``Rates`` turns them into the rates the model
+uses: a peak times the achieved fraction the user assumes (``Assumptions``), a measurement as it
+is, a command-line override as given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron_bridge.configs import CONFIGS_DIR, check_keys, find_config, key_tree, read_yaml, shipped, typed_fields
+from megatron_bridge.errors import ConfigError
+from megatron_bridge.plan.layout import Cluster
+
+GB = 1e9  # link and memory figures are in GB/s (10^9 bytes), as the sheets give them
+KINDS = ("peak", "measured")
+BY = ("vendor", "third-party", "ESTIMATE")
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    kind: str  # peak: scaled by the assumed achieved fraction; measured: used as it is
+    by: str  # vendor | third-party | ESTIMATE
+    source: str
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One node type (``configs/hardware/*.yaml``); per device; links one direction."""
+
+    device: str  # npu | cuda, as trainer.device
+    bf16_tflops: Figure
+    hbm_gb_s: Figure
+    intra_node_gb_s: Figure
+    inter_node_gb_s: Figure
+    npu_kind: str | None = None
+    name: str = ""
+
+
+_FIGURES = ("bf16_tflops", "hbm_gb_s", "intra_node_gb_s", "inter_node_gb_s")
+_CHECKS = {
+    "value": lambda v: None if v > 0 else "must be a positive number",
+    "kind": lambda v: None if v in KINDS else f"choose one of {', '.join(KINDS)}",
+    "by": lambda v: None if v in BY else f"choose one of {', '.join(BY)}",
+}
+_RULES = {f"{figure}.{key}": check for figure in _FIGURES for key, check in _CHECKS.items()}
+
+
+def load_hardware(ref: str) -> Hardware:
+    """A hardware sheet by shipped name (``atlas_800t_a2``) or path."""
+    path = find_config("hardware", ref)
+    if path is None:
+        raise ConfigError(f"hardware {ref!r}: no such file; shipped: {', '.join(shipped('hardware'))}")
+    data = read_yaml(path)
+    name = os.path.basename(path).removesuffix(".yaml")
+    check_keys(data, key_tree(Hardware, skip=("name",)), path)
+    return Hardware(**typed_fields(Hardware, data, "", path, _RULES, skip=("name",)), name=name)
+
+
+def hardware_for(cluster: Cluster) -> Hardware | None:
+    """The shipped sheet for a cluster's device (an NPU without a kind is taken as an A2; CUDA as
+    an H100); None for CPU ranks, whose rates only a probe on the machine could give."""
+    if cluster.device == "npu":
+        return load_hardware("atlas_800_a3" if cluster.npu_kind == "a3" else "atlas_800t_a2")
+    if cluster.device == "cuda":
+        return load_hardware("h100")
+    return None
+
+
+def shipped_hardware() -> list[str]:
+    return [os.path.join(CONFIGS_DIR, "hardware", f"{name}.yaml") for name in shipped("hardware")]
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the model assumes and the user may switch (``plan check/search --mfu`` and the rest)."""
+
+    mfu: float = 0.4  # ESTIMATE: the share of peak bf16 the model's kernels reach (MoE training: 0.25-0.45 is usual)
+    link_efficiency: float = 0.8  # ESTIMATE: the share of a link's peak a collective reaches (NCCL's bus bandwidth)
+    hbm_efficiency: float = 0.8  # ESTIMATE: the share of peak memory bandwidth decoding reaches
+    # megatron's overlap_grad_reduce / overlap_param_gather: off in this project's actor
+    # (megatron_bridge.runtime.actor builds DistributedDataParallelConfig without them)
+    overlap_grad_sync: bool = False
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Rates given on the command line, used as they are (a measurement of your own): GB/s for
+    the links and memory; TFLOPS peak (the MFU still applies)."""
+
+    tflops: float | None = None
+    hbm_gb_s: float | None = None
+    intra_node_gb_s: float | None = None
+    inter_node_gb_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The rates the model divides by: FLOP/s and bytes/s per device, one direction for links."""
+
+    flops: float
+    hbm: float
+    intra: float
+    inter: float
+    hardware: str  # the sheet's name, or "command line"
+
+    @classmethod
+    def of(cls, hw: Hardware | None, assume: Assumptions, given: Overrides = Overrides()) -> "Rates | None":
+        """None when neither the sheet nor the command line gives every rate."""
+
+        def rate(figure: Figure | None, override: float | None, efficiency: float, unit: float) -> float | None:
+            if override is not None:
+                return override * unit
+            if figure is None:
+                return None
+            return figure.value * unit * (efficiency if figure.kind == "peak" else 1.0)
+
+        peak = rate(hw and hw.bf16_tflops, given.tflops, 1.0, 1e12)  # the MFU is the compute's achieved fraction
+        values = (
+            peak and peak * assume.mfu,
+            rate(hw and hw.hbm_gb_s, given.hbm_gb_s, assume.hbm_efficiency, GB),
+            rate(hw and hw.intra_node_gb_s, given.intra_node_gb_s, assume.link_efficiency, GB),
+            rate(hw and hw.inter_node_gb_s, given.inter_node_gb_s, assume.link_efficiency, GB),
+        )
+        if any(v is None for v in values):
+            return None
+        return cls(*values, hardware=hw.name if hw else "command line")

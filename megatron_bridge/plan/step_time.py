@@ -1,0 +1,318 @@
+"""Predicted time of one RL step of a layout: compute, each collective, the pipeline bubble, the
+rollout and the weight sync (``predict``). An ESTIMATE from FLOPs and bytes at the rates of
+``hardware``; what it counts and assumes is stated where it is computed, and in docs/launch.md.
+
+One RL step: the rollout generates ``global_batch`` responses; the weights go to the rollout engine
+(weight sync); the actor computes their log-probs (and a reference model's, with ``reference``);
+then trains on them in ``global_batch / mini_batch`` optimizer steps of micro-batches through the
+pipeline (1F1B, or interleaved with VPP), each optimizer step ending with the distributed
+optimizer's gradient reduce-scatter and parameter all-gather. Colocated (the hybrid engine), the
+phases run one after another; with a rollout pool of its own, the rollout of the next step runs
+while this one trains (one step off), so the step takes the longer of the two plus the sync.
+
+Per device: the pipeline runs at its slowest stage's pace, and a stage's work per micro-batch is
+shared evenly by its TP*CP ranks (the dense part) and its experts' ranks (the routed tokens), so
+each device computes 1/(TP*CP) of its stage's micro-batch. Micro-batches are packed, and every
+sequence is taken at the mean length (which understates attention's s^2 when lengths spread). The
+kernel path counts where it changes the work: megatron's local attention adds its scores' memory
+traffic; grouped or sequential experts are the same FLOPs at the same rate. Not counted: the
+optimizer step, the offload to and from the host, kernel launch and collective latency, expert load
+imbalance, smaller GEMMs' lower efficiency at higher TP, and the embedding's and the loss's own
+collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_bridge.errors import ConfigError
+from megatron_bridge.plan import flops
+from megatron_bridge.plan.collectives import AllToAll, Groups, link_rate, ring_bytes, ring_seconds
+from megatron_bridge.plan.hardware import Assumptions, Rates
+from megatron_bridge.plan.layout import Layout
+from megatron_bridge.plan.memory import GIB, GRAD_BYTES, PARAM_BYTES, chunk_params, rollout_weight_bytes
+from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.plan.stages import layers_per_stage
+
+ACTIVATION_BYTES = 2  # bf16 activations, tokens and gradients on the wire
+# megatron's local attention (use_flash_attn=false) writes and reads its [s, s] scores in memory:
+# what it keeps per score in forward and works with in backward (memory.activation_bytes_per_layer,
+# memory.attention_working_bytes); the fused kernels work in tiles and move none of it
+LOCAL_ATTENTION_FORWARD_BYTES = 6
+LOCAL_ATTENTION_BACKWARD_BYTES = 12
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step's sequences. Defaults (``cli``): configs/recipe/qwen3_30b_a3b_gspo.yaml's."""
+
+    seq_len: int  # the longest sequence, prompt + response (what memory is planned for)
+    prompt_len: int  # mean prompt tokens
+    response_len: int  # mean response tokens; the longest is seq_len - prompt_len
+    global_batch: int  # sequences per RL step (prompts x responses per prompt)
+    mini_batch: int  # sequences per optimizer step
+    micro_batch_size: int = 1
+    reference: bool = False  # a reference model's log-prob pass too (KL)
+
+    def __post_init__(self):
+        if self.prompt_len >= self.seq_len:
+            raise ConfigError(f"--prompt-len {self.prompt_len} leaves no room for a response in --seq-len {self.seq_len}")
+        if self.prompt_len + self.response_len > self.seq_len:
+            raise ConfigError(f"prompt ({self.prompt_len}) + mean response ({self.response_len}) tokens exceed "
+                              f"--seq-len {self.seq_len}, the longest sequence")
+        if self.global_batch % self.mini_batch:
+            raise ConfigError(f"--mini-batch {self.mini_batch} must divide --global-batch {self.global_batch}")
+
+    @property
+    def mean_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def longest_response(self) -> int:
+        return self.seq_len - self.prompt_len
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.global_batch // self.mini_batch
+
+
+# The breakdown's terms, in print order: (key, label).
+TERMS = (
+    ("compute", "compute (train fwd+bwd+recompute, log-probs)"),
+    ("tensor_parallel", "TP / SP all-gather, reduce-scatter"),
+    ("expert_all_to_all", "EP all-to-all (dispatch, combine) + ETP"),
+    ("context_parallel", "CP key/value exchange"),
+    ("pipeline_bubble", "pipeline bubble"),
+    ("pipeline_p2p", "pipeline send / receive"),
+    ("gradient_sync", "DP / EDP gradient reduce-scatter"),
+    ("parameter_gather", "DP / EDP parameter all-gather"),
+    ("rollout", "rollout (prefill + decode)"),
+    ("weight_sync", "weight sync to the rollout"),
+)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per RL step, by term (``TERMS``), and how they add up (``schedule``)."""
+
+    seconds: dict[str, float]
+    total: float
+    schedule: str
+    decode_tokens_per_s: float  # the whole rollout's generated tokens per second
+    rates: Rates
+    assumptions: Assumptions
+
+
+def bubble_seconds(pp: int, vpp: int | None, stage_seconds: float) -> float:
+    """A pipeline schedule's idle time on a stage: (PP-1)/VPP micro-batches' worth (1F1B: VPP=1;
+    Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters', §2.2)."""
+    return (pp - 1) / (vpp or 1) * stage_seconds
+
+
+def bubble_fraction(pp: int, vpp: int | None, micro_batches: int) -> float:
+    """The bubble's share of a schedule of ``micro_batches``: (PP-1) / (VPP*m + PP-1)."""
+    idle = bubble_seconds(pp, vpp, 1.0)
+    return idle / (micro_batches + idle)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch's seconds on one device of a stage, for one kind of pass."""
+
+    compute: float
+    tensor_parallel: float
+    expert_all_to_all: float
+    context_parallel: float
+    pipeline_p2p: float
+
+    @property
+    def stage_seconds(self) -> float:
+        """What the next stage waits for (the p2p is counted on its own)."""
+        return self.compute + self.tensor_parallel + self.expert_all_to_all + self.context_parallel
+
+
+def tp_bytes_per_layer(spec: ModelSpec, layout: Layout, tokens: int) -> float:
+    """Bytes one device sends for one layer's forward under TP: with sequence parallel, an
+    all-gather before the attention and a reduce-scatter after it of the [tokens/CP, h] activation
+    (the MoE layer runs on the sequence shard with the all-to-all dispatcher); without, an
+    all-reduce after the attention and after the MoE layer."""
+    t = layout.train
+    full = tokens / t.cp * spec.hidden_size * ACTIVATION_BYTES
+    return 2 * ring_bytes(full, t.tp) * (1 if t.sequence_parallel else 2)
+
+
+def expert_dispatch_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
+    """Bytes of one all-to-all (dispatch, or combine) on one device: its tokens/(TP*CP), each sent
+    to top-k experts, h bf16 values each (of which 1/EP stays on the device)."""
+    t = layout.train
+    return tokens / (t.tp * t.cp) * spec.moe_topk * spec.hidden_size * ACTIVATION_BYTES
+
+
+def cp_bytes_per_layer(spec: ModelSpec, layout: Layout, tokens: int) -> float:
+    """Bytes one device sends for one layer's forward under CP: its K and V chunk (tokens/CP, the
+    key/value heads on this TP rank) passed CP-1 times around the ring."""
+    t = layout.train
+    return (t.cp - 1) * tokens / t.cp * 2 * spec.kv_dim / t.tp * ACTIVATION_BYTES
+
+
+def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, w: Workload, rates: Rates,
+                training: bool) -> MicroBatch:
+    """A stage's micro-batch: training (forward, backward, the recompute's forward) or a log-prob
+    forward. Collectives run once per forward and once (transposed) in backward; CP's backward
+    sends keys, values and their gradients, twice the forward's bytes."""
+    t, g, dpn = layout.train, Groups.of(layout), layout.cluster.devices_per_node
+    s, b = w.mean_len, w.micro_batch_size
+    tokens = s * b
+    recompute = training and t.recompute_granularity == "full"
+    passes = (3 + recompute) if training else 1  # forward 1, backward 2, recompute 1 (FLOPs)
+    collective_passes = (2 + recompute) if training else 1
+    cp_passes = (3 + recompute) if training else 1
+    work = layers * b * flops.layer_forward_flops(spec, s) * passes
+    if last_stage:
+        work += flops.logits_flops(spec, tokens) * (3 if training else 1)
+    compute = work / (t.tp * t.cp) / rates.flops
+    if not t.flash_attn:  # the local attention's scores are memory-bound: their bytes at the HBM rate
+        per_score = (LOCAL_ATTENTION_FORWARD_BYTES * (1 + recompute) + LOCAL_ATTENTION_BACKWARD_BYTES
+                     if training else LOCAL_ATTENTION_FORWARD_BYTES)
+        compute += layers * b * spec.num_attention_heads / t.tp * s**2 / t.cp * per_score / rates.hbm
+
+    a2a = AllToAll.of(expert_dispatch_bytes(spec, layout, tokens), g.ep, dpn)
+    routed_full = expert_dispatch_bytes(spec, layout, tokens) * t.expert_tp  # ETP gathers the routed tokens
+    per_layer_expert = 2 * a2a.seconds(rates) + 2 * ring_seconds(routed_full, g.etp, rates, dpn)
+    boundary = tokens / t.cp * spec.hidden_size * ACTIVATION_BYTES / (t.tp if t.sequence_parallel else 1)
+    sends = (2 if training else 1) * (t.vpp or 1) if t.pp > 1 else 0  # activation forward, its gradient back
+    return MicroBatch(
+        compute=compute,
+        tensor_parallel=layers * collective_passes * tp_bytes_per_layer(spec, layout, tokens) / link_rate(g.tp, rates, dpn),
+        expert_all_to_all=layers * collective_passes * per_layer_expert,
+        context_parallel=layers * cp_passes * cp_bytes_per_layer(spec, layout, tokens) / link_rate(g.cp, rates, dpn),
+        pipeline_p2p=sends * boundary / link_rate(g.pp, rates, dpn),
+    )
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """Bytes through one device per optimizer step, and seconds: the distributed optimizer
+    reduce-scatters fp32 gradients and all-gathers bf16 parameters over DP*CP (dense) and EDP
+    (experts, EP > 1); without it, one fp32 all-reduce (twice a ring's bytes)."""
+
+    reduce_bytes: float
+    gather_bytes: float
+    reduce_seconds: float
+    gather_seconds: float
+
+
+def gradient_sync(spec: ModelSpec, layout: Layout, pp_rank: int, rates: Rates) -> GradientSync:
+    t, g, dpn = layout.train, Groups.of(layout), layout.cluster.devices_per_node
+    params = [p for vp in range(t.vpp or 1) for p in chunk_params(spec, t, pp_rank, vp)]
+    reduce_bytes = gather_bytes = reduce_s = gather_s = 0.0
+    for expert, group in ((False, g.dp), (True, g.edp)):
+        numel = sum(p.numel for p in params if p.expert == expert)
+        if group.size == 1 or not numel:
+            continue
+        rate = link_rate(group, rates, dpn)
+        if t.use_distributed_optimizer:
+            r, a = ring_bytes(numel * GRAD_BYTES, group.size), ring_bytes(numel * PARAM_BYTES, group.size)
+        else:
+            r, a = 2 * ring_bytes(numel * GRAD_BYTES, group.size), 0.0
+        reduce_bytes, gather_bytes = reduce_bytes + r, gather_bytes + a
+        reduce_s, gather_s = reduce_s + r / rate, gather_s + a / rate
+    return GradientSync(reduce_bytes, gather_bytes, reduce_s, gather_s)
+
+
+def weight_sync_bytes(spec: ModelSpec, layout: Layout) -> tuple[float, int]:
+    """(bytes, hops) of one weight sync on the busiest receiver (``megatron_bridge.weights.export``):
+    colocated, each rank receives the dense tensors whole and its rollout rank's experts (1/rollout
+    EP of them), bf16; with a pool of its own, rank 0 receives the whole model, then broadcasts it
+    to the pool (two hops)."""
+    experts = spec.num_layers * spec.num_experts * spec.expert_params * PARAM_BYTES
+    dense = spec.total_params * PARAM_BYTES - experts
+    if layout.separate_rollout:
+        return dense + experts, 2
+    return dense + experts / layout.rollout.ep, 1
+
+
+def rollout_seconds(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates) -> float:
+    """Prefill at the compute rate, then decode steps, each the slower of reading the device's
+    rollout weights and its sequences' KV cache (memory) and computing the batch's next tokens.
+    A DP rank of TP devices holds global_batch/DP sequences and runs as many at a time as
+    max_num_seqs and its KV cache (the engine's memory share less its weights, at the mean context)
+    allow; it decodes until its longest response ends: (waves - 1) mean responses, then the
+    longest. The MoE all-to-all of decoding is latency-bound, and not counted."""
+    r, cl = layout.rollout, layout.cluster
+    per_rank = math.ceil(w.global_batch / r.dp)
+    context = w.prompt_len + w.response_len / 2
+    kv_per_token = 2 * spec.kv_dim * ACTIVATION_BYTES * spec.num_layers / r.tp
+    weights = rollout_weight_bytes(spec, layout)
+    concurrent = min(per_rank, r.max_num_seqs)
+    if cl.device_memory_gb:
+        kv_budget = r.gpu_memory_utilization * cl.device_memory_gb * GIB - weights
+        concurrent = max(1, min(concurrent, int(kv_budget / (context * kv_per_token))))
+    waves = math.ceil(per_rank / concurrent)
+    steps = (waves - 1) * w.response_len + w.longest_response
+    prefill = per_rank * spec.num_layers * flops.layer_forward_flops(spec, w.prompt_len) / r.tp / rates.flops
+    memory = (weights + concurrent * context * kv_per_token) / rates.hbm
+    compute = concurrent * flops.decode_flops_per_token(spec, int(context)) / r.tp / rates.flops
+    return prefill + steps * max(memory, compute)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What ``predict`` needs besides the model and the layout."""
+
+    workload: Workload
+    rates: Rates
+    assumptions: Assumptions
+
+    def predict(self, spec: ModelSpec, layout: Layout) -> StepTime:
+        return predict(spec, layout, self.workload, self.rates, self.assumptions)
+
+
+def predict(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, assume: Assumptions) -> StepTime:
+    """The RL step's predicted seconds, by term, for a validated layout."""
+    t, cl = layout.train, layout.cluster
+    replicas = cl.world_size // (t.tp * t.pp * t.cp)  # sequences go to DP replicas
+    per_opt = math.ceil(math.ceil(w.mini_batch / replicas) / w.micro_batch_size)
+    per_pass = math.ceil(math.ceil(w.global_batch / replicas) / w.micro_batch_size)
+    stages = layers_per_stage(spec.num_layers, t)
+
+    def slowest(training: bool) -> MicroBatch:
+        return max((micro_batch(spec, layout, n, i == t.pp - 1, w, rates, training) for i, n in enumerate(stages)),
+                   key=lambda m: m.stage_seconds)
+
+    train, forward = slowest(True), slowest(False)
+    log_prob_passes = 1 + w.reference
+    sync = max((gradient_sync(spec, layout, i, rates) for i in range(t.pp)),
+               key=lambda s: s.reduce_seconds + s.gather_seconds)
+    # overlapped, each sync hides behind one micro-batch's compute (the last backward, the first forward)
+    hide = train.compute if assume.overlap_grad_sync else 0.0
+    steps = w.optimizer_steps
+
+    def both(field: str) -> float:
+        return steps * per_opt * getattr(train, field) + log_prob_passes * per_pass * getattr(forward, field)
+
+    sync_bytes, hops = weight_sync_bytes(spec, layout)
+    weights_rate = rates.inter if cl.nnodes > 1 or layout.separate_rollout else rates.intra
+    seconds = {
+        "compute": both("compute"),
+        "tensor_parallel": both("tensor_parallel"),
+        "expert_all_to_all": both("expert_all_to_all"),
+        "context_parallel": both("context_parallel"),
+        "pipeline_bubble": (steps * bubble_seconds(t.pp, t.vpp, train.stage_seconds)
+                            + log_prob_passes * bubble_seconds(t.pp, t.vpp, forward.stage_seconds)),
+        "pipeline_p2p": both("pipeline_p2p"),
+        "gradient_sync": steps * max(0.0, sync.reduce_seconds - hide),
+        "parameter_gather": steps * max(0.0, sync.gather_seconds - hide),
+        "rollout": rollout_seconds(spec, layout, w, rates),
+        "weight_sync": hops * sync_bytes / weights_rate,
+    }
+    training = sum(v for k, v in seconds.items() if k not in ("rollout", "weight_sync"))
+    if layout.separate_rollout:
+        total = max(training, seconds["rollout"]) + seconds["weight_sync"]
+        schedule = "rollout pool of its own, one step off: max(rollout, training) + weight sync"
+    else:
+        total = sum(seconds.values())
+        schedule = "colocated: rollout, weight sync, log-probs and training one after another"
+    decode_rate = w.global_batch * w.response_len / seconds["rollout"]
+    return StepTime(seconds, total, schedule, decode_rate, rates, assume)

@@ -1,0 +1,251 @@
+"""The step-time model's terms on hand-computed cases, its hardware sheets, the plan CLI's output
+of it, and the ranking it gives Qwen3-30B-A3B on 4 x 8 Atlas 800T A2."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from megatron_bridge.errors import ConfigError
+from megatron_bridge.plan import flops, memory, step_time
+from megatron_bridge.plan.cli import main as plan_main
+from megatron_bridge.plan.collectives import AllToAll, Group, Groups, ring_bytes
+from megatron_bridge.plan.hardware import (Assumptions, Figure, Hardware, Overrides, Rates, hardware_for,
+                                           load_hardware, shipped_hardware)
+from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, load_layout
+from megatron_bridge.plan.model_spec import load_model_spec
+from megatron_bridge.plan.step_time import Workload, bubble_fraction
+
+Q30 = load_model_spec("qwen3_30b_a3b")
+A2 = Cluster(nnodes=4, devices_per_node=8, device="npu", npu_kind="a2", device_memory_gb=64)
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# Round rates, so that seconds are bytes or FLOPs over a power of ten.
+RATES = Rates(flops=1e14, hbm=1e12, intra=1e11, inter=1e10, hardware="test")
+RECIPE = Workload(seq_len=10240, prompt_len=2048, response_len=8192, global_batch=4096, mini_batch=512)
+
+
+def layout(tp=1, pp=1, ep=1, etp=1, cp=1, cluster=A2, **train):
+    t = TrainParallel(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, sequence_parallel=tp > 1, **RECOMPUTE, **train)
+    return Layout("x", train=t, rollout=RolloutParallel(tp=4, ep=cluster.world_size), cluster=cluster)
+
+
+# ---- where groups sit, and the collectives' bytes ----------------------------------------------
+
+
+def test_groups_follow_megatrons_rank_order():
+    g = Groups.of(layout(tp=4, pp=4, ep=8))  # W=32: DP*CP=2, EDP=1
+    assert (g.tp, g.dp, g.ep, g.edp, g.pp) == (Group(4, 1), Group(2, 4), Group(8, 1), Group(1, 8), Group(4, 8))
+    assert not g.ep.crosses_nodes(8) and not g.dp.crosses_nodes(8) and g.pp.crosses_nodes(8)
+    spread = Groups.of(layout(tp=2, ep=8, etp=2))  # EP members 2 ranks apart: 16 ranks, two nodes
+    assert spread.ep.members_per_node(8) == 4 and spread.ep.crosses_nodes(8)
+
+
+def test_all_to_all_bytes_split_into_the_node_and_across_nodes():
+    # TP1 EP32 on 4 x 8: 10240 tokens x top-8 x 2048 hidden x 2 bytes, 1/32 of it stays, 7/32 to the node, 24/32 out
+    local = step_time.expert_dispatch_bytes(Q30, layout(ep=32), 10240)
+    assert local == 10240 * 8 * 2048 * 2 == 335_544_320
+    a2a = AllToAll.of(local, Group(32, 1), 8)
+    assert (a2a.intra_bytes, a2a.inter_bytes) == (local * 7 / 32, local * 24 / 32)
+    assert a2a.seconds(RATES) == local * 24 / 32 / 1e10  # the slower link sets the time
+    # TP4 EP8: each rank dispatches its sequence shard (tokens / TP), all inside the node
+    inside = step_time.expert_dispatch_bytes(Q30, layout(tp=4, pp=4, ep=8), 10240)
+    assert inside == 10240 / 4 * 8 * 2048 * 2
+    assert AllToAll.of(inside, Group(8, 1), 8) == AllToAll(inside * 7 / 8, 0.0)
+
+
+def test_tensor_and_context_parallel_bytes():
+    full = 4096 * 2048 * 2  # one [tokens, hidden] bf16 activation
+    # sequence parallel: an all-gather and a reduce-scatter per layer, each 3/4 of the full buffer at TP4
+    assert step_time.tp_bytes_per_layer(Q30, layout(tp=4), 4096) == 2 * full * 3 / 4
+    no_sp = replace(layout(tp=4), train=replace(layout(tp=4).train, sequence_parallel=False))
+    assert step_time.tp_bytes_per_layer(Q30, no_sp, 4096) == 2 * 2 * full * 3 / 4  # two all-reduces
+    assert step_time.tp_bytes_per_layer(Q30, layout(), 4096) == 0
+    # CP2 TP2: its K and V chunk (2048 tokens, 2 of 4 KV heads x 128) passed once
+    assert step_time.cp_bytes_per_layer(Q30, layout(tp=2, cp=2), 4096) == 2048 * 2 * 256 * 2
+    assert ring_bytes(100.0, 4) == 75.0
+
+
+def test_bubble_fraction_1f1b_and_interleaved():
+    assert bubble_fraction(1, None, 8) == 0
+    assert bubble_fraction(4, None, 8) == pytest.approx(3 / 11)  # (p-1) / (m + p-1)
+    assert bubble_fraction(4, 2, 8) == pytest.approx(3 / 19)  # (p-1) / (v*m + p-1)
+
+
+def test_the_predicted_bubble_is_that_fraction_of_the_schedule():
+    lay = layout(pp=4, ep=8)
+    step = step_time.predict(Q30, lay, RECIPE, RATES, Assumptions())
+    train = step_time.micro_batch(Q30, lay, 12, True, RECIPE, RATES, training=True)
+    forward = step_time.micro_batch(Q30, lay, 12, True, RECIPE, RATES, training=False)
+    per_opt = 512 // 8  # DP 8: 64 micro-batches of one sequence per optimizer step
+    assert step.seconds["pipeline_bubble"] == pytest.approx(8 * 3 * train.stage_seconds + 3 * forward.stage_seconds)
+    one = 3 * train.stage_seconds
+    assert one / (per_opt * train.stage_seconds + one) == pytest.approx(bubble_fraction(4, None, per_opt))
+
+
+def test_gradient_reduce_scatter_and_parameter_all_gather_bytes():
+    # W=16, TP2 PP1 EP8 ETP1: dense over DP*CP = 8, experts over EDP = 2 (the memory test's layout)
+    lay = layout(tp=2, ep=8, cluster=Cluster(nnodes=2, devices_per_node=8))
+    h, hd = Q30.hidden_size, Q30.head_dim
+    dense = Q30.num_layers * ((Q30.attention_params_per_layer - 2 * hd) / 2 + 2 * h + 2 * hd + Q30.num_experts * h) \
+        + Q30.embedding_params + h
+    experts = Q30.num_layers * Q30.num_experts * Q30.expert_params / 8
+    sync = step_time.gradient_sync(Q30, lay, 0, RATES)
+    assert sync.reduce_bytes == pytest.approx(4 * dense * 7 / 8 + 4 * experts / 2)  # fp32 gradients
+    assert sync.gather_bytes == pytest.approx(2 * dense * 7 / 8 + 2 * experts / 2)  # bf16 parameters
+    # both groups span the two nodes (DP 8 ranks 2 apart, EDP 2 ranks 8 apart): the inter-node rate
+    assert sync.reduce_seconds == pytest.approx(sync.reduce_bytes / 1e10)
+    plain = replace(lay, train=replace(lay.train, use_distributed_optimizer=False))
+    all_reduce = step_time.gradient_sync(Q30, plain, 0, RATES)
+    assert all_reduce.reduce_bytes == pytest.approx(2 * sync.reduce_bytes) and all_reduce.gather_bytes == 0
+
+
+def test_overlap_hides_the_gradient_sync_behind_one_micro_batch():
+    lay = layout(ep=32)  # EDP 1, dense DP 32 across nodes
+    off = step_time.predict(Q30, lay, RECIPE, RATES, Assumptions())
+    on = step_time.predict(Q30, lay, RECIPE, RATES, Assumptions(overlap_grad_sync=True))
+    sync = step_time.gradient_sync(Q30, lay, 0, RATES)
+    train = step_time.micro_batch(Q30, lay, 48, True, RECIPE, RATES, training=True)
+    assert off.seconds["gradient_sync"] == pytest.approx(8 * sync.reduce_seconds)
+    assert on.seconds["gradient_sync"] == pytest.approx(8 * max(0.0, sync.reduce_seconds - train.compute))
+
+
+def test_flops_of_a_layer_by_hand():
+    h, q, kv, e, i, k = 2048, 4096, 512, 128, 768, 8
+    per_token = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * e + 2 * k * 3 * h * i
+    assert flops.layer_forward_flops(Q30, 1000) == per_token * 1000 + 2 * q * 1000**2
+    assert flops.logits_flops(Q30, 10) == 2 * h * 151936 * 10
+
+
+def test_training_compute_is_fwd_bwd_and_recompute_over_tp_and_cp():
+    lay = layout(tp=2, ep=8)
+    mb = step_time.micro_batch(Q30, lay, 48, True, RECIPE, RATES, training=True)
+    work = 48 * flops.layer_forward_flops(Q30, 10240) * 4 + flops.logits_flops(Q30, 10240) * 3
+    assert mb.compute == pytest.approx(work / 2 / 1e14)
+
+
+def test_the_local_attention_adds_its_scores_memory_traffic():
+    fused = layout(tp=2, ep=8)
+    local = replace(fused, train=replace(fused.train, flash_attn=False))
+    train_fused = step_time.micro_batch(Q30, fused, 48, True, RECIPE, RATES, training=True)
+    train_local = step_time.micro_batch(Q30, local, 48, True, RECIPE, RATES, training=True)
+    scores = 48 * 32 / 2 * 10240**2  # layers x heads on this TP rank x s^2
+    assert train_local.compute - train_fused.compute == pytest.approx(scores * (6 + 6 + 12) / 1e12)
+
+
+def test_weight_sync_bytes():
+    experts = Q30.num_layers * Q30.num_experts * Q30.expert_params * 2
+    dense = Q30.total_params * 2 - experts
+    assert step_time.weight_sync_bytes(Q30, layout(ep=8)) == (dense + experts / 32, 1)
+    pool = layout(ep=8).with_rollout_pool(2, 8)
+    assert step_time.weight_sync_bytes(Q30, pool) == (Q30.total_params * 2, 2)
+
+
+def test_a_rollout_pool_of_its_own_overlaps_rollout_and_training():
+    lay = load_layout("qwen3_30b_a3b_2x8_a2").with_rollout_pool(2, 8)
+    step = step_time.predict(Q30, lay, RECIPE, RATES, Assumptions())
+    training = sum(v for k, v in step.seconds.items() if k not in ("rollout", "weight_sync"))
+    assert step.total == pytest.approx(max(training, step.seconds["rollout"]) + step.seconds["weight_sync"])
+    colocated = step_time.predict(Q30, load_layout("qwen3_30b_a3b_2x8_a2"), RECIPE, RATES, Assumptions())
+    assert colocated.total == pytest.approx(sum(colocated.seconds.values()))
+
+
+def test_the_workload_rejects_what_cannot_be():
+    with pytest.raises(ConfigError, match="exceed --seq-len"):
+        Workload(seq_len=4096, prompt_len=2048, response_len=4096, global_batch=8, mini_batch=4)
+    with pytest.raises(ConfigError, match="leaves no room for a response"):
+        Workload(seq_len=4096, prompt_len=4096, response_len=0, global_batch=8, mini_batch=4)
+    with pytest.raises(ConfigError, match="must divide --global-batch"):
+        Workload(seq_len=4096, prompt_len=2048, response_len=2048, global_batch=8, mini_batch=3)
+
+
+# ---- the hardware sheets ---------------------------------------------------------------------------
+
+
+def test_every_shipped_sheet_loads_with_a_source_for_each_figure():
+    assert len(shipped_hardware()) >= 4
+    for path in shipped_hardware():
+        hw = load_hardware(path)
+        for figure in (hw.bf16_tflops, hw.hbm_gb_s, hw.intra_node_gb_s, hw.inter_node_gb_s):
+            assert figure.source.strip() and figure.kind in ("peak", "measured")
+    assert hardware_for(A2).name == "atlas_800t_a2" and hardware_for(Cluster(device="cpu")) is None
+    assert hardware_for(Cluster(device="npu", npu_kind="a3")).name == "atlas_800_a3"
+
+
+def test_a_bad_sheet_is_a_config_error(tmp_path):
+    good = tmp_path / "x.yaml"
+    sheet = open(shipped_hardware()[0]).read()
+    good.write_text(sheet.replace("\n  kind: peak", "\n  kind: guess", 1))
+    with pytest.raises(ConfigError, match="choose one of peak, measured"):
+        load_hardware(str(good))
+    good.write_text(sheet + "nvlink: 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_hardware(str(good))
+
+
+def test_rates_scale_peaks_use_measurements_and_overrides_as_given():
+    fig = lambda value, kind: Figure(value, kind, "vendor", "s")  # noqa: E731
+    hw = Hardware("npu", fig(100, "peak"), fig(1000, "peak"), fig(50, "measured"), fig(10, "peak"), name="t")
+    r = Rates.of(hw, Assumptions(mfu=0.5, link_efficiency=0.8, hbm_efficiency=0.9))
+    assert (r.flops, r.hbm, r.intra, r.inter) == (50e12, 900e9, 50e9, 8e9)
+    given = Rates.of(hw, Assumptions(mfu=0.5), Overrides(tflops=200, inter_node_gb_s=3))
+    assert (given.flops, given.inter) == (100e12, 3e9)
+    assert Rates.of(None, Assumptions()) is None
+    assert Rates.of(None, Assumptions(), Overrides(1, 1, 1, 1)).hardware == "command line"
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+
+
+def test_check_prints_the_step_under_the_memory_verdict(capsys):
+    assert plan_main(["check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_4x8_a2", "--seq-len", "10240"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("fits: training yes") < out.index("predicted RL step (ESTIMATE; rates: atlas_800t_a2")
+    for label in ("compute (train", "EP all-to-all", "pipeline bubble", "rollout (prefill + decode)", "step "):
+        assert label in out
+    assert plan_main(["check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_4x8_a2", "--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert step["total"] == pytest.approx(sum(step["terms"].values()))
+    assert step["rates"]["hardware"] == "atlas_800t_a2" and step["assumptions"]["mfu"] == 0.4
+
+
+def test_check_takes_rates_from_the_command_line(capsys):
+    args = ["check", "--model", "tiny_qwen3_moe", "--parallel", "tiny_cpu", "--seq-len", "256"]
+    assert plan_main(args) == 0
+    assert "no predicted step: no rates for cpu devices" in capsys.readouterr().out
+    assert plan_main(args + ["--tflops", "1", "--hbm-bandwidth", "10", "--link-bandwidth", "intra=2,inter=1", "--json"]) == 0
+    rates = json.loads(capsys.readouterr().out)["step_time_s"]["rates"]
+    assert rates == {"hardware": "command line", "flops": 0.4e12, "hbm_bytes_s": 10e9,
+                     "intra_node_bytes_s": 2e9, "inter_node_bytes_s": 1e9}
+
+
+@pytest.mark.parametrize("bad", [
+    ["--link-bandwidth", "intra=1,nvlink=2"], ["--link-bandwidth", "intra=-1"], ["--mfu", "0"], ["--mfu", "1.5"],
+    ["--link-efficiency", "x"], ["--hardware", "h100"], ["--hardware", "nope"], ["--mini-batch", "500"],
+    ["--response-len", "5000"], ["--prompt-len", "5000"],
+])
+def test_unusable_step_arguments_exit_2(bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        raise SystemExit(plan_main(["check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_4x8_a2", *bad]))
+    assert exit_.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()[-1]) > 0
+
+
+def test_search_ranks_by_the_predicted_step(capsys):
+    """Qwen3-30B-A3B at 10k-token sequences on 4 x 8 A2 (docs/launch.md): the layouts whose experts
+    stay in a node come before TP1 PP1 EP32, whose all-to-all crosses four nodes over RoCE."""
+    args = ["search", "--model", "qwen3_30b_a3b", "--nnodes", "4", "--devices-per-node", "8", "--npu-kind", "a2",
+            "--device-memory-gb", "64", "--seq-len", "10240", "--top", "100"]
+    assert plan_main(args + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = [r["layout"] for r in rows]
+    totals = [r["step_time_s"]["total"] for r in rows]
+    comfortable = [r for r in rows if r["memory_bytes"]["training_peak"] <= 0.8 * 64 * memory.GIB]
+    assert [r["step_time_s"]["total"] for r in comfortable] == sorted(r["step_time_s"]["total"] for r in comfortable)
+    ep32, seeds = names.index("qwen3_30b_a3b_tp1_pp1_ep32_etp1"), names.index("qwen3_30b_a3b_tp4_pp4_ep8_etp1")
+    best = rows[0]
+    assert "_ep32_" not in best["layout"] and seeds < ep32 and totals[seeds] < totals[ep32]
+    a2a = lambda r: r["step_time_s"]["terms"]["expert_all_to_all"]  # noqa: E731
+    assert a2a(rows[ep32]) > 5 * a2a(best) and a2a(rows[ep32]) > 5 * a2a(rows[seeds])
+    assert plan_main(args[:-2] + ["--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ranked by predicted RL step" in out and "step s" in out and "EP8 inside a node" in out
