@@ -10,7 +10,7 @@ from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import flops, memory, step_time
 from megatron_bridge.plan.cli import main as plan_main
 from megatron_bridge.plan.collectives import AllToAll, Group, Groups, ring_bytes
-from megatron_bridge.plan.hardware import (Assumptions, Figure, Hardware, Overrides, Rates, hardware_for,
+from megatron_bridge.plan.hardware import (Assumptions, Figure, Hardware, Overheads, Overrides, Rates, hardware_for,
                                            load_hardware, shipped_hardware)
 from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, load_layout
 from megatron_bridge.plan.model_spec import load_model_spec
@@ -158,6 +158,104 @@ def test_the_workload_rejects_what_cannot_be():
         Workload(seq_len=4096, prompt_len=2048, response_len=2048, global_batch=8, mini_batch=3)
 
 
+# ---- fixed costs: collective latency and per-layer cost (a probe's sheet) ----------------------------
+
+TINY = load_model_spec("tiny_qwen3_moe")  # 4 layers, hidden 64, vocabulary 512
+CPU4 = Cluster(nnodes=1, devices_per_node=4, device="cpu")
+# 1 GFLOP/s, 1 ms a collective, a layer's micro-batch 2 ms forward and 3 ms backward beyond its FLOPs
+FIXED = replace(RATES, flops=1e9, latency=1e-3, layer_forward=2e-3, layer_backward=3e-3, micro_batch_forward=1e-3,
+                micro_batch_backward=4e-3)  # and the rest of the model's micro-batch 1 ms forward, 4 ms backward
+SHORT = Workload(seq_len=128, prompt_len=32, response_len=96, global_batch=16, mini_batch=16, micro_batch_size=4)
+
+
+def test_fixed_costs_per_layer_and_per_collective_launch():
+    # TP2+SP x EP2 (ETP1) on 4 ranks: per layer and pass 2 TP launches; the all-to-all dispatcher 2
+    # (NPU), the allgather one on CPU ranks 4 forward and 3 backward
+    train = TrainParallel(tp=2, ep=2, etp=1, sequence_parallel=True)
+    bare_rates = replace(FIXED, latency=0, layer_forward=0, layer_backward=0, micro_batch_forward=0,
+                         micro_batch_backward=0)
+    for cluster, ep_launches in ((Cluster(devices_per_node=4, device="npu"), (2, 2)), (CPU4, (4, 3))):
+        lay = Layout("x", train=train, cluster=cluster)
+        for training, passes, overhead in ((True, 2, 2e-3 + 3e-3), (False, 1, 2e-3)):
+            bare = step_time.micro_batch(TINY, lay, 4, False, SHORT, bare_rates, training)
+            fixed = step_time.micro_batch(TINY, lay, 4, False, SHORT, FIXED, training)
+            assert fixed.compute - bare.compute == pytest.approx(4 * overhead)  # every TP rank runs every layer
+            bare = step_time.micro_batch(TINY, lay, 4, True, SHORT, bare_rates, training)
+            fixed = step_time.micro_batch(TINY, lay, 4, True, SHORT, FIXED, training)
+            rest = 1e-3 + 4e-3 if training else 1e-3  # the rest of the model, on the last stage
+            assert fixed.compute - bare.compute == pytest.approx(4 * overhead + rest)
+            # the last stage adds the output layer's and the log-probs' launches (edge_launches)
+            edge = step_time.edge_launches(lay, SHORT, False, True, training)
+            assert fixed.tensor_parallel - bare.tensor_parallel == pytest.approx((4 * passes * 2 + edge) * 1e-3)
+            launches = sum(ep_launches) if training else ep_launches[0]
+            assert fixed.expert_all_to_all - bare.expert_all_to_all == pytest.approx(4 * launches * 1e-3)
+    # the allgather dispatcher's bytes: each rank's 512 / TP tokens x 64 x 2 bytes, gathered from the
+    # TP x EP = 4 ranks and reduce-scattered back, 3/4 of the 4 ranks' buffer each, per pass
+    local = 512 / 2 * 64 * 2
+    on_cpu = step_time.micro_batch(TINY, Layout("x", train=train, cluster=CPU4), 4, True, SHORT, bare_rates, False)
+    assert on_cpu.expert_all_to_all == pytest.approx(4 * 2 * 3 * local / 1e11)
+    assert step_time.dispatcher(Layout("x", cluster=CPU4)) == "allgather"
+    assert step_time.dispatcher(layout()) == "alltoall"
+    # 512 tokens a micro-batch, 384 of them response: log-prob chunks of 512 / 16 = 32 rows, 12 of
+    # them, two all-reduces each; SP: the output layer's all-gather, in backward its reduce-scatter;
+    # the embedding's reduce-scatter, in backward its all-gather
+    tp2 = Layout("x", train=train, cluster=CPU4)
+    assert step_time.edge_launches(tp2, SHORT, False, True, True) == 1 + 1 + 24
+    assert step_time.edge_launches(tp2, SHORT, False, True, False) == 1 + 24
+    assert step_time.edge_launches(tp2, SHORT, True, False, True) == 2
+    assert step_time.edge_launches(Layout("x", cluster=CPU4), SHORT, True, True, True) == 0  # no TP
+    assert step_time.launches_per_layer(layout(tp=2, ep=8, etp=2, cp=2)) == {
+        "tensor_parallel": 2, "expert_all_to_all": 4, "context_parallel": 1}
+    # a pipeline send: one launch per send; the gradient sync: one reduce-scatter, one all-gather a group
+    pp = Layout("x", train=TrainParallel(pp=2), cluster=Cluster(devices_per_node=2))
+    assert step_time.micro_batch(TINY, pp, 2, False, SHORT, FIXED, True).pipeline_p2p == pytest.approx(
+        2 * (4 * 128 * 64 * 2 / 1e11 + 1e-3))
+    dp2 = Layout("x", cluster=Cluster(devices_per_node=2))
+    sync = step_time.gradient_sync(TINY, dp2, 0, FIXED)
+    assert sync.reduce_seconds == pytest.approx(sync.reduce_bytes / 1e11 + 1e-3)
+    assert sync.gather_seconds == pytest.approx(sync.gather_bytes / 1e11 + 1e-3)
+
+
+def test_one_optimizer_step_by_hand_and_the_rl_step_made_of_them():
+    # one rank: 16 sequences of 128 tokens in 4 micro-batches of 4; forward, backward = 3x the FLOPs
+    one = Layout("x", cluster=Cluster(device="cpu"))
+    work = 4 * 4 * flops.layer_forward_flops(TINY, 128) * 3 + flops.logits_flops(TINY, 512) * 3
+    per_mb = work / 1e9 + 4 * 5e-3 + 5e-3  # FLOPs, 4 layers' fixed costs, the rest of the model's
+    terms = step_time.optimizer_step(TINY, one, SHORT, FIXED, Assumptions())
+    assert terms["compute"] == pytest.approx(4 * per_mb)
+    assert sum(terms.values()) == pytest.approx(4 * per_mb)  # nothing to send on one rank
+    log_probs = step_time.log_prob_pass(TINY, one, SHORT, FIXED)
+    per_mb = (4 * 4 * flops.layer_forward_flops(TINY, 128) + flops.logits_flops(TINY, 512)) / 1e9 + 4 * 2e-3 + 1e-3
+    assert log_probs["compute"] == pytest.approx(4 * per_mb)
+    # the RL step's training terms: its optimizer steps and its log-prob passes
+    lay = layout(pp=4, ep=8)
+    w = replace(RECIPE, reference=True)
+    step = step_time.predict(Q30, lay, w, RATES, Assumptions())
+    train = step_time.optimizer_step(Q30, lay, w, RATES, Assumptions())
+    forward = step_time.log_prob_pass(Q30, lay, w, RATES)
+    for key, seconds in train.items():
+        assert step.seconds[key] == pytest.approx(8 * seconds + 2 * forward.get(key, 0.0))
+
+
+def test_a_probes_sheet_gives_its_fixed_costs(tmp_path):
+    sheet = tmp_path / "cpu.yaml"
+    figure = "{value: %s, kind: measured, by: probe, source: a probe}"
+    body = (f"device: cpu\nbf16_tflops: {figure % 0.01}\nhbm_gb_s: {figure % 10}\nintra_node_gb_s: {figure % 1}\n"
+            f"inter_node_gb_s: {figure % 1}\n")
+    sheet.write_text(body + "overheads: {collective_latency_us: 500, layer_forward_us: 2000, layer_backward_us: 3000, "
+                            "by: probe, source: a probe}\n")
+    hw = load_hardware(str(sheet))
+    assert hw.overheads == Overheads(500, 2000, 3000, by="probe", source="a probe")
+    r = Rates.of(hw, Assumptions(mfu=0.4))  # a measured compute rate is achieved already: no MFU on it
+    assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward) == pytest.approx(
+        (1e10, 1e9, 5e-4, 2e-3, 3e-3))
+    sheet.write_text(body)  # none given: none counted, as a vendor sheet
+    assert Rates.of(load_hardware(str(sheet)), Assumptions()).latency == 0.0
+    sheet.write_text(body + "overheads: {collective_latency_us: -1}\n")
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        load_hardware(str(sheet))
+
+
 # ---- the hardware sheets ---------------------------------------------------------------------------
 
 
@@ -249,3 +347,29 @@ def test_search_ranks_by_the_predicted_step(capsys):
     assert plan_main(args[:-2] + ["--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "ranked by predicted RL step" in out and "step s" in out and "EP8 inside a node" in out
+
+
+# ---- bench/plan_calibrate.py: the probe's fits and the sheet it writes ------------------------------
+
+
+def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads(tmp_path):
+    from bench import plan_calibrate as probe
+
+    # gloo: 800 us + bytes / 0.5 GB/s; a layer: 2 ms forward, 3 ms backward fixed, 4 GFLOP/s
+    collectives = [{"op": op, "through_bytes": b, "s": 800e-6 + b / 0.5e9}
+                   for op, b in (("all_gather", 1e3), ("all_gather", 1e6), ("all_to_all", 5e2), ("all_to_all", 5e5))]
+    # the rest of the model: 1 ms forward, 1.5 ms backward beyond the output layer's FLOPs
+    layers = [{"flops": f, "fwd_s": 2e-3 + f / 4e9, "bwd_s": 3e-3 + 2 * f / 4e9, "logits_flops": f / 10,
+               "rest_fwd_s": 1e-3 + f / 10 / 4e9, "rest_bwd_s": 1.5e-3 + 2 * f / 10 / 4e9} for f in (1e6, 1e7, 5e7)]
+    fit = probe.summarise_probe([{"collectives": collectives, "layers": layers, "copy_bytes_s": 5e9}])
+    assert fit["collectives"] == pytest.approx({"latency_s": 800e-6, "bytes_s": 0.5e9})
+    assert fit["layer"] == pytest.approx({"fixed_fwd_s": 2e-3, "fixed_bwd_s": 3e-3, "flops_s": 4e9,
+                                          "rest_fwd_s": 1e-3, "rest_bwd_s": 1.5e-3})
+    fit.update(ranks=2, when="now")
+    path = tmp_path / "cpu.yaml"
+    path.write_text(probe.sheet(2, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
+    hw = load_hardware(str(path))
+    assert hw.device == "cpu" and hw.bf16_tflops.kind == "measured" and hw.bf16_tflops.by == "probe"
+    r = Rates.of(hw, Assumptions())  # the MFU leaves a measured rate alone
+    assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward, r.micro_batch_forward,
+            r.micro_batch_backward) == pytest.approx((4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 1.5e-3))

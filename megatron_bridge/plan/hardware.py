@@ -3,7 +3,11 @@
 The figures are data, ``configs/hardware/<name>.yaml``, each with its public source and whether it
 is a data-sheet peak or a measurement (and by whom); ``Rates`` turns them into the rates the model
 uses: a peak times the achieved fraction the user assumes (``Assumptions``), a measurement as it
-is, a command-line override as given.
+is, a command-line override as given. A sheet may also give fixed costs (``Overheads``: a
+collective's launch latency, a decoder layer's and the rest of the model's cost per micro-batch
+whatever its tokens), which
+only a probe on the machine can give (``bench/plan_calibrate.py`` for CPU gloo ranks); a sheet
+without them counts none, as the model did before them.
 """
 
 from __future__ import annotations
@@ -17,27 +21,45 @@ from megatron_bridge.plan.layout import Cluster
 
 GB = 1e9  # link and memory figures are in GB/s (10^9 bytes), as the sheets give them
 KINDS = ("peak", "measured")
-BY = ("vendor", "third-party", "ESTIMATE")
+BY = ("vendor", "third-party", "probe", "ESTIMATE")  # probe: bench/plan_calibrate.py on the machine itself
 
 
 @dataclass(frozen=True)
 class Figure:
     value: float
     kind: str  # peak: scaled by the assumed achieved fraction; measured: used as it is
-    by: str  # vendor | third-party | ESTIMATE
+    by: str  # vendor | third-party | probe | ESTIMATE
     source: str
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed costs the rates leave out, measured on the machine (``by: probe``); absent: 0.
+    On accelerators they are microseconds against milliseconds of work; on CPU gloo ranks with a
+    tiny model they are most of a step."""
+
+    collective_latency_us: float = 0.0  # one collective (or p2p send) whatever its bytes: t = latency + bytes / rate
+    layer_forward_us: float = 0.0  # one decoder layer's forward of one micro-batch, beyond its FLOPs at the rate
+    layer_backward_us: float = 0.0  # the same for its backward
+    # a micro-batch's work outside the decoder layers (embedding, output layer, log-probs), beyond the
+    # output layer's FLOPs
+    micro_batch_forward_us: float = 0.0
+    micro_batch_backward_us: float = 0.0
+    by: str = "probe"
+    source: str = ""
 
 
 @dataclass(frozen=True)
 class Hardware:
     """One node type (``configs/hardware/*.yaml``); per device; links one direction."""
 
-    device: str  # npu | cuda, as trainer.device
+    device: str  # npu | cuda | cpu, as trainer.device
     bf16_tflops: Figure
     hbm_gb_s: Figure
     intra_node_gb_s: Figure
     inter_node_gb_s: Figure
     npu_kind: str | None = None
+    overheads: Overheads = Overheads()
     name: str = ""
 
 
@@ -48,6 +70,10 @@ _CHECKS = {
     "by": lambda v: None if v in BY else f"choose one of {', '.join(BY)}",
 }
 _RULES = {f"{figure}.{key}": check for figure in _FIGURES for key, check in _CHECKS.items()}
+_RULES |= {f"overheads.{key}": (lambda v: None if v >= 0 else "must be >= 0")
+           for key in ("collective_latency_us", "layer_forward_us", "layer_backward_us", "micro_batch_forward_us",
+                       "micro_batch_backward_us")}
+_RULES["overheads.by"] = _CHECKS["by"]
 
 
 def load_hardware(ref: str) -> Hardware:
@@ -107,6 +133,11 @@ class Rates:
     intra: float
     inter: float
     hardware: str  # the sheet's name, or "command line"
+    latency: float = 0.0  # seconds per collective launch (Overheads)
+    layer_forward: float = 0.0  # seconds per decoder layer and micro-batch, forward (Overheads)
+    layer_backward: float = 0.0  # the same, backward
+    micro_batch_forward: float = 0.0  # seconds per micro-batch outside the layers, forward (Overheads)
+    micro_batch_backward: float = 0.0  # the same, backward
 
     @classmethod
     def of(cls, hw: Hardware | None, assume: Assumptions, given: Overrides = Overrides()) -> "Rates | None":
@@ -119,13 +150,19 @@ class Rates:
                 return None
             return figure.value * unit * (efficiency if figure.kind == "peak" else 1.0)
 
-        peak = rate(hw and hw.bf16_tflops, given.tflops, 1.0, 1e12)  # the MFU is the compute's achieved fraction
+        # the MFU is the compute's achieved share of a peak (a sheet's or --tflops); a measured rate is achieved already
+        measured = given.tflops is None and hw is not None and hw.bf16_tflops.kind == "measured"
+        peak = rate(hw and hw.bf16_tflops, given.tflops, 1.0, 1e12)
         values = (
-            peak and peak * assume.mfu,
+            peak and peak * (1.0 if measured else assume.mfu),
             rate(hw and hw.hbm_gb_s, given.hbm_gb_s, assume.hbm_efficiency, GB),
             rate(hw and hw.intra_node_gb_s, given.intra_node_gb_s, assume.link_efficiency, GB),
             rate(hw and hw.inter_node_gb_s, given.inter_node_gb_s, assume.link_efficiency, GB),
         )
         if any(v is None for v in values):
             return None
-        return cls(*values, hardware=hw.name if hw else "command line")
+        fixed = hw.overheads if hw else Overheads()
+        return cls(*values, hardware=hw.name if hw else "command line", latency=fixed.collective_latency_us * 1e-6,
+                   layer_forward=fixed.layer_forward_us * 1e-6, layer_backward=fixed.layer_backward_us * 1e-6,
+                   micro_batch_forward=fixed.micro_batch_forward_us * 1e-6,
+                   micro_batch_backward=fixed.micro_batch_backward_us * 1e-6)

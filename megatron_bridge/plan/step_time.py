@@ -15,10 +15,19 @@ shared evenly by its TP*CP ranks (the dense part) and its experts' ranks (the ro
 each device computes 1/(TP*CP) of its stage's micro-batch. Micro-batches are packed, and every
 sequence is taken at the mean length (which understates attention's s^2 when lengths spread). The
 kernel path counts where it changes the work: megatron's local attention adds its scores' memory
-traffic; grouped or sequential experts are the same FLOPs at the same rate. Not counted: the
-optimizer step, the offload to and from the host, kernel launch and collective latency, expert load
-imbalance, smaller GEMMs' lower efficiency at higher TP, and the embedding's and the loss's own
-collectives.
+traffic; grouped or sequential experts are the same FLOPs at the same rate. Fixed costs count where
+the sheet measured them (``hardware.Overheads``, 0 otherwise): each collective launch's latency
+(per layer and pass: TP 2, EP dispatch and combine 2, ETP 2, CP's ring steps CP-1; on CPU ranks,
+whose actor builds megatron's allgather MoE dispatcher, its 4 launches forward and 3 backward over
+TP x EP in place of the all-to-all; under TP the embedding's, the output layer's and the log-probs'
+launches (``edge_launches``); a pipeline send;
+one reduce-scatter and one all-gather, or one all-reduce, per gradient group, the buffers taken as
+one bucket), each decoder layer's per-micro-batch forward and backward cost beyond its FLOPs
+(on a device of a few cores, Python and kernel launches), and the rest of the model's (embedding,
+output layer, log-probs; counted on the last stage). Not counted: the optimizer step, the
+offload to and from the host, expert load imbalance, smaller GEMMs' lower efficiency at higher TP,
+the policy loss's arithmetic beyond the log-probs, and the actor's own small collectives (the
+gradient norm's, the loss's sums).
 """
 
 from __future__ import annotations
@@ -28,10 +37,11 @@ from dataclasses import dataclass
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import flops
-from megatron_bridge.plan.collectives import AllToAll, Groups, link_rate, ring_bytes, ring_seconds
+from megatron_bridge.plan.collectives import AllToAll, Group, Groups, link_rate, ring_bytes, ring_seconds
 from megatron_bridge.plan.hardware import Assumptions, Rates
 from megatron_bridge.plan.layout import Layout
-from megatron_bridge.plan.memory import GIB, GRAD_BYTES, PARAM_BYTES, chunk_params, rollout_weight_bytes
+from megatron_bridge.plan.memory import (GIB, GRAD_BYTES, LOG_PROB_CHUNK_TOKENS, LOG_PROB_CHUNKS_AT_LEAST, PARAM_BYTES,
+                                         chunk_params, rollout_weight_bytes)
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.plan.stages import layers_per_stage
 
@@ -157,7 +167,7 @@ def cp_bytes_per_layer(spec: ModelSpec, layout: Layout, tokens: int) -> float:
 
 
 def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, w: Workload, rates: Rates,
-                training: bool) -> MicroBatch:
+                training: bool, first_stage: bool = False) -> MicroBatch:
     """A stage's micro-batch: training (forward, backward, the recompute's forward) or a log-prob
     forward. Collectives run once per forward and once (transposed) in backward; CP's backward
     sends keys, values and their gradients, twice the forward's bytes."""
@@ -172,6 +182,11 @@ def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, 
     if last_stage:
         work += flops.logits_flops(spec, tokens) * (3 if training else 1)
     compute = work / (t.tp * t.cp) / rates.flops
+    # fixed per layer, whatever the tokens: not shared by TP or CP (every rank runs each layer)
+    compute += layers * ((1 + recompute) * rates.layer_forward + rates.layer_backward if training
+                         else rates.layer_forward)
+    if last_stage:  # the rest of the model's fixed cost (embedding, output layer, log-probs), taken on the last stage
+        compute += rates.micro_batch_forward + (rates.micro_batch_backward if training else 0.0)
     if not t.flash_attn:  # the local attention's scores are memory-bound: their bytes at the HBM rate
         per_score = (LOCAL_ATTENTION_FORWARD_BYTES * (1 + recompute) + LOCAL_ATTENTION_BACKWARD_BYTES
                      if training else LOCAL_ATTENTION_FORWARD_BYTES)
@@ -180,15 +195,76 @@ def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, 
     a2a = AllToAll.of(expert_dispatch_bytes(spec, layout, tokens), g.ep, dpn)
     routed_full = expert_dispatch_bytes(spec, layout, tokens) * t.expert_tp  # ETP gathers the routed tokens
     per_layer_expert = 2 * a2a.seconds(rates) + 2 * ring_seconds(routed_full, g.etp, rates, dpn)
+    launches = launches_per_layer(layout)
+    expert_forward = expert_backward = per_layer_expert + launches["expert_all_to_all"] * rates.latency
+    if dispatcher(layout) == "allgather":
+        expert_forward, expert_backward = allgather_dispatch_seconds(spec, layout, tokens, rates)
     boundary = tokens / t.cp * spec.hidden_size * ACTIVATION_BYTES / (t.tp if t.sequence_parallel else 1)
     sends = (2 if training else 1) * (t.vpp or 1) if t.pp > 1 else 0  # activation forward, its gradient back
+    # launches per layer and pass (launches_per_layer), each at the measured latency (0 on a sheet without one)
+    tp_bytes = tp_bytes_per_layer(spec, layout, tokens)
     return MicroBatch(
         compute=compute,
-        tensor_parallel=layers * collective_passes * tp_bytes_per_layer(spec, layout, tokens) / link_rate(g.tp, rates, dpn),
-        expert_all_to_all=layers * collective_passes * per_layer_expert,
-        context_parallel=layers * cp_passes * cp_bytes_per_layer(spec, layout, tokens) / link_rate(g.cp, rates, dpn),
-        pipeline_p2p=sends * boundary / link_rate(g.pp, rates, dpn),
+        tensor_parallel=layers * collective_passes * (tp_bytes / link_rate(g.tp, rates, dpn)
+                                                      + launches["tensor_parallel"] * rates.latency)
+        + edge_launches(layout, w, first_stage, last_stage, training) * rates.latency,
+        expert_all_to_all=layers * ((1 + recompute) * expert_forward + expert_backward if training else expert_forward),
+        context_parallel=layers * cp_passes * (cp_bytes_per_layer(spec, layout, tokens) / link_rate(g.cp, rates, dpn)
+                                               + launches["context_parallel"] * rates.latency),
+        pipeline_p2p=sends * (boundary / link_rate(g.pp, rates, dpn) + rates.latency),
     )
+
+
+def dispatcher(layout: Layout) -> str:
+    """megatron's MoE token dispatcher the actor builds (``megatron_bridge.runtime.model``): the
+    all-to-all one, or on CPU gloo ranks the allgather one."""
+    return "allgather" if layout.cluster.device == "cpu" else "alltoall"
+
+
+def allgather_dispatch_seconds(spec: ModelSpec, layout: Layout, tokens: int, rates: Rates) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's allgather dispatcher (megatron-core 0.12.1
+    ``MoEAllGatherTokenDispatcher``) over the TP x EP group: forward all-gathers the routing map,
+    the probabilities and the hidden states of every member's tokens, then reduce-scatters the
+    output (4 launches); backward reduce-scatters the probabilities' and hidden states' gradients
+    and all-gathers the output's (3). The hidden states' ring carries the bytes (the map and the
+    probabilities are top-k x experts bytes a token, left out)."""
+    t = layout.train
+    group = Group(t.tp * t.ep, 1)
+    if group.size == 1:
+        return 0.0, 0.0
+    local = tokens / t.cp / (t.tp if t.sequence_parallel else 1) * spec.hidden_size * ACTIVATION_BYTES
+    moved = 2 * ring_seconds(local * group.size, group, rates, layout.cluster.devices_per_node)
+    return moved + 4 * rates.latency, moved + 3 * rates.latency
+
+
+def edge_launches(layout: Layout, w: Workload, first_stage: bool, last_stage: bool, training: bool) -> int:
+    """TP launches of a micro-batch outside the layers (their bytes are small and left out): the
+    vocabulary-parallel embedding's reduce (and with SP its gradient's all-gather), the output
+    layer's SP all-gather (and its input gradient's reduce), and the log-probs' two all-reduces a
+    chunk (``loss.vocab_parallel``: chunks of min(LOG_PROB_CHUNK_TOKENS, M/16) of the M tokens'
+    rows over the response tokens; none in backward)."""
+    t = layout.train
+    if t.tp == 1:
+        return 0
+    n = 0
+    if first_stage:
+        n += 1 + (training and t.sequence_parallel)
+    if last_stage:
+        tokens, scored = w.mean_len * w.micro_batch_size, w.response_len * w.micro_batch_size
+        rows = min(LOG_PROB_CHUNK_TOKENS, math.ceil(tokens / LOG_PROB_CHUNKS_AT_LEAST))
+        n += t.sequence_parallel + training + 2 * math.ceil(scored / rows)
+    return n
+
+
+def launches_per_layer(layout: Layout) -> dict[str, int]:
+    """Collective launches of one layer's forward, by term (the backward runs them again): TP's
+    all-gather and reduce-scatter (with SP) or two all-reduces; EP's dispatch and combine, and ETP's
+    gather and scatter of the routed tokens (the all-to-all dispatcher; ``allgather_dispatch_seconds``
+    counts the other); CP's CP-1 ring steps."""
+    t = layout.train
+    return {"tensor_parallel": 2 if t.tp > 1 else 0,
+            "expert_all_to_all": (2 if t.ep > 1 else 0) + (2 if t.expert_tp > 1 else 0),
+            "context_parallel": t.cp - 1}
 
 
 @dataclass(frozen=True)
@@ -217,7 +293,9 @@ def gradient_sync(spec: ModelSpec, layout: Layout, pp_rank: int, rates: Rates) -
         else:
             r, a = 2 * ring_bytes(numel * GRAD_BYTES, group.size), 0.0
         reduce_bytes, gather_bytes = reduce_bytes + r, gather_bytes + a
-        reduce_s, gather_s = reduce_s + r / rate, gather_s + a / rate
+        # one launch each (the buffers as one bucket), at the measured latency
+        reduce_s = reduce_s + r / rate + rates.latency
+        gather_s = gather_s + (a / rate + rates.latency if a else 0.0)
     return GradientSync(reduce_bytes, gather_bytes, reduce_s, gather_s)
 
 
@@ -269,44 +347,62 @@ class CostModel:
         return predict(spec, layout, self.workload, self.rates, self.assumptions)
 
 
-def predict(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, assume: Assumptions) -> StepTime:
-    """The RL step's predicted seconds, by term, for a validated layout."""
-    t, cl = layout.train, layout.cluster
-    replicas = cl.world_size // (t.tp * t.pp * t.cp)  # sequences go to DP replicas
-    per_opt = math.ceil(math.ceil(w.mini_batch / replicas) / w.micro_batch_size)
-    per_pass = math.ceil(math.ceil(w.global_batch / replicas) / w.micro_batch_size)
-    stages = layers_per_stage(spec.num_layers, t)
+def _slowest(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, training: bool) -> MicroBatch:
+    """The micro-batch of the pipeline's slowest stage."""
+    t = layout.train
+    return max((micro_batch(spec, layout, n, i == t.pp - 1, w, rates, training, first_stage=i == 0)
+                for i, n in enumerate(layers_per_stage(spec.num_layers, t))), key=lambda m: m.stage_seconds)
 
-    def slowest(training: bool) -> MicroBatch:
-        return max((micro_batch(spec, layout, n, i == t.pp - 1, w, rates, training) for i, n in enumerate(stages)),
-                   key=lambda m: m.stage_seconds)
 
-    train, forward = slowest(True), slowest(False)
-    log_prob_passes = 1 + w.reference
+def _replicas(layout: Layout) -> int:
+    t = layout.train
+    return layout.cluster.world_size // (t.tp * t.pp * t.cp)  # sequences go to DP replicas
+
+
+PASS_TERMS = ("compute", "tensor_parallel", "expert_all_to_all", "context_parallel", "pipeline_p2p")
+
+
+def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, assume: Assumptions) -> dict[str, float]:
+    """Seconds of one optimizer step of ``w.mini_batch`` sequences, by training term (the terms of
+    ``TERMS`` before the rollout's): its micro-batches through the pipeline, then the gradient
+    reduce-scatter and parameter all-gather. What one actor ``train_step`` takes
+    (bench/actor_throughput.py's train step; bench/plan_calibrate.py compares them)."""
+    t = layout.train
+    per_opt = math.ceil(math.ceil(w.mini_batch / _replicas(layout)) / w.micro_batch_size)
+    train = _slowest(spec, layout, w, rates, True)
     sync = max((gradient_sync(spec, layout, i, rates) for i in range(t.pp)),
                key=lambda s: s.reduce_seconds + s.gather_seconds)
     # overlapped, each sync hides behind one micro-batch's compute (the last backward, the first forward)
     hide = train.compute if assume.overlap_grad_sync else 0.0
-    steps = w.optimizer_steps
+    return {**{k: per_opt * getattr(train, k) for k in PASS_TERMS},
+            "pipeline_bubble": bubble_seconds(t.pp, t.vpp, train.stage_seconds),
+            "gradient_sync": max(0.0, sync.reduce_seconds - hide),
+            "parameter_gather": max(0.0, sync.gather_seconds - hide)}
 
-    def both(field: str) -> float:
-        return steps * per_opt * getattr(train, field) + log_prob_passes * per_pass * getattr(forward, field)
 
+def log_prob_pass(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates) -> dict[str, float]:
+    """Seconds of one log-prob pass over the ``w.global_batch`` sequences (forward only), by term."""
+    t = layout.train
+    per_pass = math.ceil(math.ceil(w.global_batch / _replicas(layout)) / w.micro_batch_size)
+    forward = _slowest(spec, layout, w, rates, False)
+    return {**{k: per_pass * getattr(forward, k) for k in PASS_TERMS},
+            "pipeline_bubble": bubble_seconds(t.pp, t.vpp, forward.stage_seconds)}
+
+
+def predict(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, assume: Assumptions) -> StepTime:
+    """The RL step's predicted seconds, by term, for a validated layout."""
+    cl = layout.cluster
+    train = optimizer_step(spec, layout, w, rates, assume)
+    forward = log_prob_pass(spec, layout, w, rates)
+    log_prob_passes = 1 + w.reference
     sync_bytes, hops = weight_sync_bytes(spec, layout)
     weights_rate = rates.inter if cl.nnodes > 1 or layout.separate_rollout else rates.intra
-    seconds = {
-        "compute": both("compute"),
-        "tensor_parallel": both("tensor_parallel"),
-        "expert_all_to_all": both("expert_all_to_all"),
-        "context_parallel": both("context_parallel"),
-        "pipeline_bubble": (steps * bubble_seconds(t.pp, t.vpp, train.stage_seconds)
-                            + log_prob_passes * bubble_seconds(t.pp, t.vpp, forward.stage_seconds)),
-        "pipeline_p2p": both("pipeline_p2p"),
-        "gradient_sync": steps * max(0.0, sync.reduce_seconds - hide),
-        "parameter_gather": steps * max(0.0, sync.gather_seconds - hide),
+    seconds = {k: w.optimizer_steps * v + log_prob_passes * forward.get(k, 0.0) for k, v in train.items()}
+    seconds |= {
         "rollout": rollout_seconds(spec, layout, w, rates),
         "weight_sync": hops * sync_bytes / weights_rate,
     }
+    seconds = {k: seconds[k] for k, _ in TERMS}
     training = sum(v for k, v in seconds.items() if k not in ("rollout", "weight_sync"))
     if layout.separate_rollout:
         total = max(training, seconds["rollout"]) + seconds["weight_sync"]

@@ -1,0 +1,518 @@
+#!/usr/bin/env python
+"""Calibrate the planner's step-time model on CPU gloo ranks, then check it against the actor.
+
+    python bench/plan_calibrate.py probe --out docs/bench_plan.md      # rates -> bench/calibration/*.yaml
+    python bench/plan_calibrate.py compare --steps 5 --out docs/bench_plan.md   # predicted vs measured
+    python -m megatron_bridge.plan check --model tiny_qwen3_moe --parallel tiny_cpu \
+        --hardware bench/calibration/cpu_gloo_2x1.yaml ...                  # a sheet in the planner
+
+``probe`` measures, for each way bench/actor_throughput.py runs ranks here (``RANKS x THREADS``:
+1 x 2 for ``single``, 1 x 1 for ``single-1t``, 2 x 1 and 4 x 1 for the 2- and 4-rank layouts), with
+that many ranks running at once, each with that many intra-op threads (so the 4-rank probe shares
+the cores as the 4-rank layouts do):
+
+- the gloo collectives' launch latency and bandwidth: ``all_gather_into_tensor`` and
+  ``all_to_all_single`` of 1 KiB to 1 MiB per rank, each a median over repeats, fitted together to
+  t = latency + bytes through a rank / rate (a ring all-gather moves (n-1) x the local buffer
+  through each rank, an all-to-all (n-1)/n of it: ``megatron_bridge.plan.collectives``);
+- one decoder layer of the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, megatron's
+  GPTModel with the kernels the CPU actor builds: torch SDPA, grouped-GEMM experts, fp32), as the
+  difference between a 2-layer and a 1-layer model, forward and backward separately, at 4 rows of
+  16, 48, 128 and 256 tokens, fitted together to t_fwd = fixed_fwd + FLOPs / rate and
+  t_bwd = fixed_bwd + 2 FLOPs / rate (``megatron_bridge.plan.flops``): the rate the layer's work
+  reaches at these shapes, and its fixed cost per micro-batch (Python, kernel launches); and the
+  rest of the model (the 1-layer model less that layer: embedding, output layer and the actor's
+  chunked log-probs, ``loss.vocab_parallel``, on half of each row) less the output layer's FLOPs
+  at that rate, a fixed cost per micro-batch (the median over the lengths);
+- the memory copy rate (``Tensor.copy_`` of 32 MiB, read + write).
+
+and writes each as a hardware sheet (configs/hardware's format; ``kind: measured``, ``by: probe``,
+the fixed costs under ``overheads``) that ``python -m megatron_bridge.plan check --hardware PATH``
+reads. A 1-rank sheet has no peers to measure collectives with: its link figures are the 2-rank
+probe's (it uses none of them: a single rank sends nothing).
+
+``compare`` runs bench/actor_throughput.py's layouts (its default batch: 16 rows, micro-batches of 4
+rows padded to the longest, one optimizer step; median of ``--steps`` after a warm-up) and beside
+each measured train step the planner's prediction for it (``step_time.optimizer_step``: that
+layout, micro-batches of 4 sequences at the padded length, at the sheet of the layout's ranks x
+threads), with the error and the order of the layouts by each. Nothing of the comparison feeds back
+into the sheets. The log-prob pass is shown too (``step_time.log_prob_pass``), not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the packages are not
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    check_out, command_line, cpu_cores, load_before_run, machine_facts, publish, run_ranks, save_model,
+)
+from megatron_bridge.plan import flops  # noqa: E402
+from megatron_bridge.plan.hardware import GB  # noqa: E402
+from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec  # noqa: E402
+
+SCRIPT = "bench/plan_calibrate.py"
+PROBE_BLOCK = "probe"  # the probe's generated block in --out (bench/common.py markers); compare writes the first
+MODEL = "tiny_qwen3_moe"
+SHEETS = REPO / "bench" / "calibration"
+LOCAL_BYTES = (1024, 16 * 1024, 128 * 1024, 1024 * 1024)  # per rank, fp32
+LAYER_TOKENS = (16, 48, 128, 256)  # sequence lengths of the layer probe, 4 rows each
+LAYER_ROWS = 4
+COPY_BYTES = 32 * 2**20
+
+
+def _shown(path: Path) -> str:
+    """A path as the docs quote it: relative to the repository where it is inside it."""
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
+def sheet_name(ranks: int, threads: int) -> str:
+    return f"cpu_gloo_{ranks}x{threads}"
+
+
+def bench_configs() -> list[tuple[int, int]]:
+    """(ranks, threads per rank) of every layout bench/actor_throughput.py runs on this machine."""
+    from bench.actor_throughput import LAYOUTS
+
+    return sorted({(b.ranks, b.threads or max(1, cpu_cores() // b.ranks)) for b in LAYOUTS.values()})
+
+
+# --- the probe, in each rank -------------------------------------------------------------------------
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collectives(repeats: int) -> list[dict]:
+    """Seconds per call of an all-gather and an all-to-all of each size (every rank calls them
+    back to back, so a call's time includes waiting for the slowest peer)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    out = []
+    for local in LOCAL_BYTES:
+        x = torch.randn(local // 4)
+        gathered = torch.empty(n * x.numel())
+        a2a = torch.empty_like(x) if x.numel() % n == 0 else None
+        dist.barrier()
+        seconds = _median_seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
+        out.append({"op": "all_gather", "local_bytes": local, "through_bytes": local * (n - 1), "s": seconds})
+        if a2a is not None:
+            dist.barrier()
+            seconds = _median_seconds(lambda: dist.all_to_all_single(a2a, x), repeats)
+            out.append({"op": "all_to_all", "local_bytes": local, "through_bytes": local * (n - 1) / n, "s": seconds})
+    return out
+
+
+def _layer_times(spec: ModelSpec, repeats: int) -> list[dict]:
+    """Forward and backward seconds of a 1-layer and a 2-layer model per sequence length, measured
+    alternately, each with the actor's log-probs on its logits (``loss.vocab_parallel``, entropy
+    as a metric, the second half of each row scored, their mean as the loss): the difference is one
+    decoder layer; the 1-layer model less it, the rest of the model (embedding, output layer,
+    log-probs)."""
+    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.runtime.actor import initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
+
+    train = TrainParallel()
+    initialize_parallel(train)
+    models = {layers: build_model_chunks(replace(spec, num_layers=layers), train,
+                                         BuildOptions(params_dtype=torch.float32), "cpu")[1][0]
+              for layers in (1, 2)}
+    out = []
+    for s in LAYER_TOKENS:
+        ids = torch.randint(3, spec.vocab_size, (LAYER_ROWS, s))
+        positions = torch.arange(s).expand(LAYER_ROWS, s)
+        scored = (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(s // 2, s)).flatten()  # rows of [b * s, V]
+        targets = torch.randint(0, spec.vocab_size, scored.shape)
+        times: dict[tuple[int, str], list[float]] = {(layers, k): [] for layers in models for k in ("fwd", "bwd")}
+        for rep in range(repeats + 2):  # two warm-ups
+            for layers, model in models.items():
+                model.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
+                log_probs, _ = vocab_parallel_log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), scored,
+                                                                    targets, 1.0, True, reuse_logits=True)
+                loss = log_probs.mean()
+                middle = time.perf_counter()
+                loss.backward()
+                end = time.perf_counter()
+                if rep >= 2:
+                    times[layers, "fwd"].append(middle - start)
+                    times[layers, "bwd"].append(end - middle)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        layer = {k: med[2, k] - med[1, k] for k in ("fwd", "bwd")}
+        out.append({"tokens": LAYER_ROWS * s, "seq_len": s,
+                    "flops": LAYER_ROWS * flops.layer_forward_flops(spec, s),
+                    "logits_flops": flops.logits_flops(spec, LAYER_ROWS * s),
+                    "fwd_s": layer["fwd"], "bwd_s": layer["bwd"],
+                    "rest_fwd_s": med[1, "fwd"] - layer["fwd"], "rest_bwd_s": med[1, "bwd"] - layer["bwd"]})
+    return out
+
+
+def _copy_rate(repeats: int) -> float:
+    src, dst = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
+    return 2 * COPY_BYTES / _median_seconds(lambda: dst.copy_(src), repeats)
+
+
+def probe_rank(rank: int, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    spec = load_model_spec(MODEL)
+    collectives = _collectives(repeats) if dist.get_world_size() > 1 else []
+    dist.barrier()
+    layers = _layer_times(spec, repeats)
+    dist.barrier()
+    return {"collectives": collectives, "layers": layers, "copy_bytes_s": _copy_rate(repeats)}
+
+
+# --- fits ----------------------------------------------------------------------------------------------
+
+
+def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
+    solution = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                  torch.tensor(ys, dtype=torch.float64)[:, None]).solution
+    return solution[:, 0].tolist()
+
+
+def fit_collectives(points: list[dict]) -> dict[str, float]:
+    """t = latency + bytes / rate over the points given (seconds, bytes/s)."""
+    latency, inverse = _lstsq([[1.0, p["through_bytes"]] for p in points], [p["s"] for p in points])
+    return {"latency_s": latency, "bytes_s": 1 / inverse if inverse > 0 else float("inf")}
+
+
+def fit_layer(points: list[dict]) -> dict[str, float]:
+    """One rate for forward and backward (backward = 2x the forward's FLOPs) and a fixed cost each."""
+    rows = [[1.0, 0.0, p["flops"]] for p in points] + [[0.0, 1.0, 2 * p["flops"]] for p in points]
+    fixed_fwd, fixed_bwd, inverse = _lstsq(rows, [p["fwd_s"] for p in points] + [p["bwd_s"] for p in points])
+    if inverse <= 0:
+        raise SystemExit("error: the layer's time does not grow with its FLOPs in this probe (a busy machine?); "
+                         "run it again, with more --repeats")
+    rate = 1 / inverse
+    # the rest of the model: its fixed cost beyond the output layer's FLOPs at the layer's rate
+    rest_fwd = statistics.median(p["rest_fwd_s"] - p["logits_flops"] / rate for p in points)
+    rest_bwd = statistics.median(p["rest_bwd_s"] - 2 * p["logits_flops"] / rate for p in points)
+    return {"fixed_fwd_s": fixed_fwd, "fixed_bwd_s": fixed_bwd, "flops_s": rate, "rest_fwd_s": rest_fwd,
+            "rest_bwd_s": rest_bwd}
+
+
+def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
+    """Every rank's points (medians per rank), the fits over all of them."""
+    collectives = [p for r in ranks for p in r["collectives"]]
+    layers = [p for r in ranks for p in r["layers"]]
+    out: dict[str, Any] = {"layer": fit_layer(layers), "layer_points": layers, "collective_points": collectives,
+                           "copy_bytes_s": statistics.median(r["copy_bytes_s"] for r in ranks)}
+    if collectives:
+        out["collectives"] = fit_collectives(collectives)
+        out["by_op"] = {op: fit_collectives([p for p in collectives if p["op"] == op])
+                        for op in sorted({p["op"] for p in collectives})}
+    return out
+
+
+def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], command: str, when: str) -> str:
+    """A hardware sheet of the probe's figures (configs/hardware/*.yaml's format)."""
+    layer, col = fit["layer"], links["collectives"]
+    where = (f"python {SCRIPT} probe on {when}: {ranks} gloo rank(s) at once, {threads} intra-op thread(s) each, "
+             f"on {cpu_cores()} cores")
+    own = ranks > 1
+    link_source = (f"{where}; gloo all_gather_into_tensor + all_to_all_single, 1 KiB-1 MiB per rank, fitted to "
+                   "t = latency + bytes through a rank / rate" if own else
+                   f"the {links['ranks']}-rank probe's gloo fit ({links['when']}); one rank has no peers")
+
+    def figure(value: float, source: str) -> dict:
+        return {"value": float(f"{value:.4g}"), "kind": "measured", "by": "probe", "source": source}
+
+    data = {
+        "device": "cpu",
+        "bf16_tflops": figure(layer["flops_s"] / 1e12,
+                              f"{where}; fp32 (the CPU actor's dtype, not bf16): the tiny Qwen3-MoE's decoder layer "
+                              f"(2-layer minus 1-layer megatron model) forward and backward at {LAYER_ROWS} rows of "
+                              f"{', '.join(map(str, LAYER_TOKENS))} tokens, FLOPs of megatron_bridge.plan.flops over "
+                              "seconds beyond the fixed cost (overheads); an achieved rate: the MFU does not apply"),
+        "hbm_gb_s": figure(fit["copy_bytes_s"] / GB, f"{where}; Tensor.copy_ of 32 MiB fp32, bytes read + written"),
+        "intra_node_gb_s": figure(col["bytes_s"] / GB, link_source),
+        "inter_node_gb_s": figure(col["bytes_s"] / GB, "one node: the same figure as intra_node_gb_s"),
+        "overheads": {
+            "collective_latency_us": float(f"{col['latency_s'] * 1e6:.4g}"),
+            "layer_forward_us": float(f"{max(0.0, layer['fixed_fwd_s']) * 1e6:.4g}"),
+            "layer_backward_us": float(f"{max(0.0, layer['fixed_bwd_s']) * 1e6:.4g}"),
+            "micro_batch_forward_us": float(f"{max(0.0, layer['rest_fwd_s']) * 1e6:.4g}"),
+            "micro_batch_backward_us": float(f"{max(0.0, layer['rest_bwd_s']) * 1e6:.4g}"),
+            "by": "probe",
+            "source": f"{where}; latency: the gloo fit's intercept{'' if own else ' (2-rank probe)'}; layer: the "
+                      "fixed cost per micro-batch of the decoder layer fit; micro_batch: the 1-layer model with "
+                      "the log-probs less its layer, less the output layer's FLOPs at the layer's rate (median "
+                      "over the lengths)",
+        },
+    }
+    header = (f"# Rates of this machine's CPU gloo ranks ({ranks} x {threads}), MEASURED by:\n#   {command}\n"
+              "# They hold for this machine and this many ranks and threads only; docs/bench_plan.md compares\n"
+              "# the planner's predictions at them with bench/actor_throughput.py.\n")
+    return header + yaml.safe_dump(data, sort_keys=False, width=200)
+
+
+def probe_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    command = command_line(SCRIPT, argv)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load_before = load_before_run()
+    fits = {}
+    for ranks, threads in args.configs:
+        print(f"[{ranks} x {threads}] probing ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        fits[ranks, threads] = summarise_probe(run_ranks(probe_rank, ranks, threads, args.repeats))
+        fits[ranks, threads]["when"] = when
+        fits[ranks, threads]["ranks"] = ranks
+        print(f"[{ranks} x {threads}] {time.perf_counter() - start:.0f} s: {describe_fit(fits[ranks, threads])}",
+              file=sys.stderr, flush=True)
+    with_links = [k for k in fits if "collectives" in fits[k]]
+    if not with_links:
+        raise SystemExit("error: no configuration with 2 or more ranks: no collective rates to write")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for (ranks, threads), fit in fits.items():
+        links = fit if "collectives" in fit else fits[min(with_links)]
+        path = args.out_dir / f"{sheet_name(ranks, threads)}.yaml"
+        path.write_text(sheet(ranks, threads, fit, links, command, when))
+        print(f"wrote {path}", file=sys.stderr)
+    body = "\n".join([
+        f"Command: `{command}`",
+        "",
+        *machine_facts("per configuration, RANKS x THREADS: that many gloo ranks at once, each with "
+                       "torch.set_num_threads(THREADS)", load_before),
+        f"- written: {', '.join(f'`{_shown(args.out_dir / sheet_name(*k))}.yaml`' for k in fits)} ({when})",
+        f"- medians of {args.repeats} repeats after 2 warm-ups per point, each rank's own; the fits over every "
+        "rank's points",
+        "",
+        probe_table(fits),
+    ])
+    publish(body, args.out, SCRIPT, "The planner's step time against the CPU actor", PROBE_BLOCK)
+    return 0
+
+
+def describe_fit(fit: dict) -> str:
+    layer = fit["layer"]
+    words = (f"layer {layer['flops_s'] / 1e9:.2f} GFLOP/s + {layer['fixed_fwd_s'] * 1e3:.2f} ms fwd / "
+             f"{layer['fixed_bwd_s'] * 1e3:.2f} ms bwd fixed; rest of the model {layer['rest_fwd_s'] * 1e3:.2f} / "
+             f"{layer['rest_bwd_s'] * 1e3:.2f} ms; copy {fit['copy_bytes_s'] / GB:.1f} GB/s")
+    if "collectives" in fit:
+        c = fit["collectives"]
+        words += f"; gloo {c['latency_s'] * 1e6:.0f} us + bytes / {c['bytes_s'] / GB:.2f} GB/s"
+    return words
+
+
+def probe_table(fits: dict) -> str:
+    lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
+             "rest of the model fwd (ms) | rest bwd (ms) | gloo latency (us) | gloo rate (GB/s) | all-gather fit | "
+             "all-to-all fit | copy (GB/s) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
+    for (ranks, threads), fit in sorted(fits.items()):
+        layer = fit["layer"]
+        if "collectives" in fit:
+            c, by_op = fit["collectives"], fit["by_op"]
+            cells = [f"{c['latency_s'] * 1e6:,.0f}", f"{c['bytes_s'] / GB:.2f}"] + [
+                f"{by_op[op]['latency_s'] * 1e6:,.0f} us + bytes / {by_op[op]['bytes_s'] / GB:.2f} GB/s"
+                if op in by_op else "—" for op in ("all_gather", "all_to_all")]
+        else:
+            cells = ["—"] * 4
+        lines.append(f"| {ranks} x {threads} | {layer['flops_s'] / 1e9:.2f} | {layer['fixed_fwd_s'] * 1e3:.2f} | "
+                     f"{layer['fixed_bwd_s'] * 1e3:.2f} | {layer['rest_fwd_s'] * 1e3:.2f} | "
+                     f"{layer['rest_bwd_s'] * 1e3:.2f} | " + " | ".join(cells) + f" | {fit['copy_bytes_s'] / GB:.1f} |")
+    return "\n".join(lines)
+
+
+# --- compare ----------------------------------------------------------------------------------------------
+
+
+def predicted(spec: ModelSpec, name: str, seq_len: int, response: int, rows: int, micro_batch: int,
+              sheet_path: Path) -> dict:
+    """The planner's train step (one optimizer step over ``rows`` sequences computed at ``seq_len``
+    tokens, ``response`` of them response: what the log-probs score) and log-prob pass for bench
+    layout ``name`` at the sheet's rates."""
+    from bench.actor_throughput import LAYOUTS
+    from megatron_bridge.plan import step_time
+    from megatron_bridge.plan.hardware import Assumptions, Rates, load_hardware
+    from megatron_bridge.plan.layout import Cluster, Layout
+
+    bench = LAYOUTS[name]
+    layout = Layout(name, train=bench.train, cluster=Cluster(nnodes=1, devices_per_node=bench.ranks, device="cpu"))
+    assume = Assumptions()  # the MFU leaves the sheet's measured compute rate alone
+    rates = Rates.of(load_hardware(str(sheet_path)), assume)
+    # the padding counts with the prompt: the model computes every row at seq_len
+    w = step_time.Workload(seq_len=seq_len, prompt_len=seq_len - response, response_len=response, global_batch=rows,
+                           mini_batch=rows, micro_batch_size=micro_batch)
+    return {"train": step_time.optimizer_step(spec, layout, w, rates, assume),
+            "log_prob": step_time.log_prob_pass(spec, layout, w, rates)}
+
+
+def sheet_for(name: str, out_dir: Path, threads: int | None) -> Path:
+    from bench.actor_throughput import LAYOUTS
+
+    bench = LAYOUTS[name]
+    return out_dir / f"{sheet_name(bench.ranks, threads or bench.threads or max(1, cpu_cores() // bench.ranks))}.yaml"
+
+
+def order(values: dict[str, float]) -> list[str]:
+    return sorted(values, key=values.get)
+
+
+SHOWN_TERMS = (("compute", "compute"), ("tensor_parallel", "TP"), ("expert_all_to_all", "EP"),
+               ("pipeline_bubble", "bubble"), ("pipeline_p2p", "p2p"), ("gradient_sync", "grad RS"),
+               ("parameter_gather", "param AG"))
+
+
+def compare_table(rows: list[dict]) -> str:
+    lines = ["| layout | ranks x threads | sheet | predicted train step s | measured train step s | error | "
+             + " | ".join(f"predicted {label} s" for _, label in SHOWN_TERMS)
+             + " | predicted log-prob s | measured log-prob s | error |",
+             "|---|---|---|--:|--:|--:|" + "--:|" * len(SHOWN_TERMS) + "--:|--:|--:|"]
+    for r in rows:
+        terms = " | ".join(f"{r['train_terms'][k]:.3f}" for k, _ in SHOWN_TERMS)
+        lines.append(f"| {r['layout']} | {r['ranks']} x {r['threads']} | {r['sheet']} | {r['predicted_train']:.3f} | "
+                     f"{r['measured_train']:.3f} | {r['train_error']:+.0%} | {terms} | {r['predicted_log_prob']:.3f} | "
+                     f"{r['measured_log_prob']:.3f} | {r['log_prob_error']:+.0%} |")
+    return "\n".join(lines)
+
+
+def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    from bench.actor_throughput import BatchShape, describe_layout, make_batch, run_layout
+
+    missing = [str(sheet_for(n, args.sheets, args.threads)) for n in args.layouts
+               if not sheet_for(n, args.sheets, args.threads).exists()]
+    if missing:
+        raise SystemExit(f"error: no sheet {', '.join(sorted(set(missing)))}; run `python {SCRIPT} probe` first")
+    shape = BatchShape()
+    spec = load_model_spec(MODEL)
+    response = round(float(make_batch(shape, spec.vocab_size)["response_mask"].sum()) / shape.rows)  # mean
+    load_before = load_before_run()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
+        checkpoint = save_model(tmp, "tiny")
+        for name in args.layouts:
+            print(f"[{name}] {describe_layout(name)} ...", file=sys.stderr, flush=True)
+            result = run_layout(name, checkpoint, shape, None, args.steps, args.threads, None, "cpu", "fp32")
+            seq_len = result["computed_tokens"] // shape.rows  # every row padded to the longest (x TP)
+            path = sheet_for(name, args.sheets, args.threads)
+            p = predicted(spec, name, seq_len, response, shape.rows, shape.micro_batch, path)
+            train, log_prob = sum(p["train"].values()), sum(p["log_prob"].values())
+            rows.append({"layout": name, "ranks": result["ranks"], "threads": result["threads"],
+                         "sheet": path.name, "seq_len": seq_len,
+                         "predicted_train": train, "measured_train": result["train_s"],
+                         "train_error": train / result["train_s"] - 1, "train_terms": p["train"],
+                         "predicted_log_prob": log_prob, "measured_log_prob": result["log_prob_s"],
+                         "log_prob_error": log_prob / result["log_prob_s"] - 1})
+            print(f"[{name}] train step predicted {train:.3f} s, measured {result['train_s']:.3f} s "
+                  f"({rows[-1]['train_error']:+.0%})", file=sys.stderr, flush=True)
+    body = compare_report(rows, command_line(SCRIPT, argv), shape, response, args, load_before)
+    publish(body, args.out, SCRIPT, "The planner's step time against the CPU actor")
+    return 0
+
+
+def compare_report(rows: list[dict], command: str, shape, response: int, args: argparse.Namespace,
+                   load_before: float) -> str:
+    pred = order({r["layout"]: r["predicted_train"] for r in rows})
+    meas = order({r["layout"]: r["measured_train"] for r in rows})
+    worst = max(rows, key=lambda r: abs(r["train_error"]))
+    within = sum(abs(r["train_error"]) <= 0.30 for r in rows)
+    return "\n".join([
+        f"Command: `{command}`",
+        "",
+        *machine_facts("bench/actor_throughput.py's: max(1, cores // ranks) per rank (single-1t: 1)", load_before),
+        f"- batch (bench/actor_throughput.py's default): {shape.describe()}; micro-batches of {shape.micro_batch} "
+        f"rows, every row padded to the longest ({rows[0]['seq_len']} tokens, {response} of them response on "
+        f"average); one optimizer step per train step; median of {args.steps} steps after 1 warm-up",
+        f"- predicted: `megatron_bridge.plan.step_time.optimizer_step` (train step) and `log_prob_pass`, the tiny "
+        f"Qwen3-MoE, the layout on one node of its ranks, micro-batches of {shape.micro_batch} sequences at the padded "
+        f"length, at the sheet of the layout's ranks x threads ({_shown(args.sheets)}/, "
+        "written by the probe before this run)",
+        "",
+        compare_table(rows),
+        "",
+        f"- train step within 30 %: {within} of {len(rows)} layouts; largest error {worst['train_error']:+.0%} "
+        f"({worst['layout']})",
+        f"- order by predicted train step (fastest first): {', '.join(pred)}",
+        f"- order by measured train step (fastest first): {', '.join(meas)}",
+        f"- the same order: {'yes' if pred == meas else 'no'}",
+    ])
+
+
+# --- command line -------------------------------------------------------------------------------------------
+
+
+def _config(text: str) -> tuple[int, int]:
+    ranks, sep, threads = text.partition("x")
+    try:
+        value = (int(ranks), int(threads))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RANKSxTHREADS, e.g. 2x1")
+    if not sep or min(value) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RANKSxTHREADS, both >= 1")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench.actor_throughput import LAYOUTS
+
+    p = argparse.ArgumentParser(prog=f"python {SCRIPT}", description=__doc__.split("\n\n``probe``")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    probe = sub.add_parser("probe", help="measure this machine's rates; write hardware sheets")
+    probe.add_argument("--configs", nargs="+", type=_config, default=None, metavar="RANKSxTHREADS",
+                       help="ranks at once x intra-op threads each (default: every one bench/actor_throughput.py "
+                            "runs here, e.g. 1x1 1x2 2x1 4x1 on 2 cores)")
+    probe.add_argument("--repeats", type=int, default=9, help="timed repeats per point, after 2 warm-ups (default 9)")
+    probe.add_argument("--out-dir", type=Path, default=SHEETS, help=f"where the sheets go (default {_shown(SHEETS)})")
+    probe.add_argument("--out", type=Path, default=None,
+                       help=f"markdown file whose generated block '{PROBE_BLOCK}' to (re)write, e.g. "
+                            "docs/bench_plan.md")
+    cmp = sub.add_parser("compare",
+                         help="predicted against measured train step for bench/actor_throughput.py's layouts")
+    cmp.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS), metavar="LAYOUT",
+                     help=f"layouts (default: all: {', '.join(LAYOUTS)})")
+    cmp.add_argument("--steps", type=int, default=5, help="measured steps per layout, after one warm-up (default 5)")
+    cmp.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the bench's)")
+    cmp.add_argument("--sheets", type=Path, default=SHEETS, help="the probe's sheets (default bench/calibration)")
+    cmp.add_argument("--out", type=Path, default=None, help="markdown file whose generated block to (re)write")
+    args = p.parse_args(argv)
+    if args.command == "probe":
+        args.configs = args.configs or bench_configs()
+        if args.repeats < 1:
+            p.error("--repeats must be >= 1")
+        args.out_dir = args.out_dir.resolve()
+        check_out(p, args.out, SCRIPT, PROBE_BLOCK)
+    else:
+        if args.steps < 1:
+            p.error("--steps must be >= 1")
+        args.sheets = args.sheets.resolve()
+        check_out(p, args.out, SCRIPT)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return probe_main(args, argv) if args.command == "probe" else compare_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
