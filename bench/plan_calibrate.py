@@ -12,9 +12,13 @@ that many ranks running at once, each with that many intra-op threads (so the 4-
 the cores as the 4-rank layouts do):
 
 - the gloo collectives' launch latency and bandwidth: ``all_gather_into_tensor`` and
-  ``all_to_all_single`` of 1 KiB to 1 MiB per rank, each a median over repeats, fitted together to
-  t = latency + bytes through a rank / rate (a ring all-gather moves (n-1) x the local buffer
-  through each rank, an all-to-all (n-1)/n of it: ``megatron_bridge.plan.collectives``);
+  ``all_to_all_single`` of 1 KiB to 1 MiB per rank back to back, each a median over repeats,
+  fitted together to t = latency + bytes through a rank / rate (a ring all-gather moves (n-1) x
+  the local buffer through each rank, an all-to-all (n-1)/n of it:
+  ``megatron_bridge.plan.collectives``); then the same calls of 16 and 64 KiB each after a forward
+  of one decoder layer, as the actor issues them: what a call adds there, less its bytes at that
+  rate, is the sheet's latency (it includes waiting for a peer held up by its compute or by the
+  scheduler, which back-to-back calls never do);
 - one decoder layer of the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, megatron's
   GPTModel with the kernels the CPU actor builds: torch SDPA, grouped-GEMM experts, fp32), as the
   difference between a 2-layer and a 1-layer model, forward and backward separately, at 4 rows of
@@ -70,6 +74,7 @@ PROBE_BLOCK = "probe"  # the probe's generated block in --out (bench/common.py m
 MODEL = "tiny_qwen3_moe"
 SHEETS = REPO / "bench" / "calibration"
 LOCAL_BYTES = (1024, 16 * 1024, 128 * 1024, 1024 * 1024)  # per rank, fp32
+CONTEXT_BYTES = (16 * 1024, 64 * 1024)  # per rank, between compute: the actor's messages at the bench's batch
 LAYER_TOKENS = (16, 48, 128, 256)  # sequence lengths of the layer probe, 4 rows each
 LAYER_ROWS = 4
 COPY_BYTES = 32 * 2**20
@@ -126,22 +131,58 @@ def _collectives(repeats: int) -> list[dict]:
     return out
 
 
-def _layer_times(spec: ModelSpec, repeats: int) -> list[dict]:
-    """Forward and backward seconds of a 1-layer and a 2-layer model per sequence length, measured
-    alternately, each with the actor's log-probs on its logits (``loss.vocab_parallel``, entropy
-    as a metric, the second half of each row scored, their mean as the loss): the difference is one
-    decoder layer; the 1-layer model less it, the rest of the model (embedding, output layer,
-    log-probs)."""
-    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
+def _between_compute(model, spec: ModelSpec, repeats: int) -> list[dict]:
+    """Seconds a collective adds to a loop of one decoder layer's work (the 1-layer model's forward
+    of 4 rows of 128 tokens, no grad) when one call follows each forward, as the actor's collectives
+    sit between its layers' compute: the loop's median per iteration less the forward's alone. Back
+    to back (``_collectives``) the ranks are already in step; between compute each call also waits
+    for the peer that its compute, the scheduler or the cores held up."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    ids = torch.randint(3, spec.vocab_size, (LAYER_ROWS, 128))
+    positions = torch.arange(128).expand(LAYER_ROWS, 128)
+
+    def forward():
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=positions, attention_mask=None)
+
+    dist.barrier()
+    alone = _median_seconds(forward, repeats)
+    out = []
+    for local in CONTEXT_BYTES:
+        x = torch.randn(local // 4)
+        gathered, a2a = torch.empty(n * x.numel()), torch.empty_like(x)
+        for op, call, through in (("all_gather", lambda: dist.all_gather_into_tensor(gathered, x), local * (n - 1)),
+                                  ("all_to_all", lambda: dist.all_to_all_single(a2a, x), local * (n - 1) / n)):
+            dist.barrier()
+            both = _median_seconds(lambda: (forward(), call()), repeats)
+            out.append({"op": op, "local_bytes": local, "through_bytes": through, "s": both - alone})
+    return out
+
+
+def _build_models(spec: ModelSpec) -> dict[int, Any]:
+    """Megatron GPTModels of the tiny model's shape with 1 and 2 decoder layers, as the CPU actor
+    builds them (parallel state up first, one rank a replica)."""
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.runtime.actor import initialize_parallel
     from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 
     train = TrainParallel()
     initialize_parallel(train)
-    models = {layers: build_model_chunks(replace(spec, num_layers=layers), train,
-                                         BuildOptions(params_dtype=torch.float32), "cpu")[1][0]
-              for layers in (1, 2)}
+    return {layers: build_model_chunks(replace(spec, num_layers=layers), train,
+                                       BuildOptions(params_dtype=torch.float32), "cpu")[1][0]
+            for layers in (1, 2)}
+
+
+def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[dict]:
+    """Forward and backward seconds of a 1-layer and a 2-layer model per sequence length, measured
+    alternately, each with the actor's log-probs on its logits (``loss.vocab_parallel``, entropy
+    as a metric, the second half of each row scored, their mean as the loss): the difference is one
+    decoder layer; the 1-layer model less it, the rest of the model (embedding, output layer,
+    log-probs)."""
+    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
+
     out = []
     for s in LAYER_TOKENS:
         ids = torch.randint(3, spec.vocab_size, (LAYER_ROWS, s))
@@ -183,10 +224,12 @@ def probe_rank(rank: int, repeats: int) -> dict:
 
     spec = load_model_spec(MODEL)
     collectives = _collectives(repeats) if dist.get_world_size() > 1 else []
+    models = _build_models(spec)
+    between = _between_compute(models[1], spec, repeats) if dist.get_world_size() > 1 else []
     dist.barrier()
-    layers = _layer_times(spec, repeats)
+    layers = _layer_times(spec, models, repeats)
     dist.barrier()
-    return {"collectives": collectives, "layers": layers, "copy_bytes_s": _copy_rate(repeats)}
+    return {"collectives": collectives, "between": between, "layers": layers, "copy_bytes_s": _copy_rate(repeats)}
 
 
 # --- fits ----------------------------------------------------------------------------------------------
@@ -229,6 +272,11 @@ def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
         out["collectives"] = fit_collectives(collectives)
         out["by_op"] = {op: fit_collectives([p for p in collectives if p["op"] == op])
                         for op in sorted({p["op"] for p in collectives})}
+        between = [p for r in ranks for p in r.get("between", [])]
+        if between:  # the launch cost between compute: what a call adds less its bytes at the fitted rate
+            rate = out["collectives"]["bytes_s"]
+            out["between_latency_s"] = statistics.median(p["s"] - p["through_bytes"] / rate for p in between)
+            out["between_points"] = between
     return out
 
 
@@ -256,13 +304,15 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
         "intra_node_gb_s": figure(col["bytes_s"] / GB, link_source),
         "inter_node_gb_s": figure(col["bytes_s"] / GB, "one node: the same figure as intra_node_gb_s"),
         "overheads": {
-            "collective_latency_us": float(f"{col['latency_s'] * 1e6:.4g}"),
+            "collective_latency_us": float(f"{links.get('between_latency_s', col['latency_s']) * 1e6:.4g}"),
             "layer_forward_us": float(f"{max(0.0, layer['fixed_fwd_s']) * 1e6:.4g}"),
             "layer_backward_us": float(f"{max(0.0, layer['fixed_bwd_s']) * 1e6:.4g}"),
             "micro_batch_forward_us": float(f"{max(0.0, layer['rest_fwd_s']) * 1e6:.4g}"),
             "micro_batch_backward_us": float(f"{max(0.0, layer['rest_bwd_s']) * 1e6:.4g}"),
             "by": "probe",
-            "source": f"{where}; latency: the gloo fit's intercept{'' if own else ' (2-rank probe)'}; layer: the "
+            "source": f"{where}; latency: what a gloo call adds between two forwards of a decoder layer, less its "
+                      f"bytes at the fitted rate (back to back the fit's intercept is {col['latency_s'] * 1e6:.0f} us)"
+                      f"{'' if own else ' (2-rank probe)'}; layer: the "
                       "fixed cost per micro-batch of the decoder layer fit; micro_batch: the 1-layer model with "
                       "the log-probs less its layer, less the output layer's FLOPs at the layer's rate (median "
                       "over the lengths)",
@@ -318,24 +368,26 @@ def describe_fit(fit: dict) -> str:
              f"{layer['rest_bwd_s'] * 1e3:.2f} ms; copy {fit['copy_bytes_s'] / GB:.1f} GB/s")
     if "collectives" in fit:
         c = fit["collectives"]
-        words += f"; gloo {c['latency_s'] * 1e6:.0f} us + bytes / {c['bytes_s'] / GB:.2f} GB/s"
+        words += (f"; gloo {c['latency_s'] * 1e6:.0f} us + bytes / {c['bytes_s'] / GB:.2f} GB/s back to back, "
+                  f"{fit.get('between_latency_s', float('nan')) * 1e6:.0f} us a call between compute")
     return words
 
 
 def probe_table(fits: dict) -> str:
     lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
-             "rest of the model fwd (ms) | rest bwd (ms) | gloo latency (us) | gloo rate (GB/s) | all-gather fit | "
-             "all-to-all fit | copy (GB/s) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
+             "rest of the model fwd (ms) | rest bwd (ms) | gloo latency between compute (us) | gloo latency back "
+             "to back (us) | gloo rate (GB/s) | all-gather fit | all-to-all fit | copy (GB/s) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
     for (ranks, threads), fit in sorted(fits.items()):
         layer = fit["layer"]
         if "collectives" in fit:
             c, by_op = fit["collectives"], fit["by_op"]
-            cells = [f"{c['latency_s'] * 1e6:,.0f}", f"{c['bytes_s'] / GB:.2f}"] + [
+            cells = [f"{fit.get('between_latency_s', float('nan')) * 1e6:,.0f}", f"{c['latency_s'] * 1e6:,.0f}",
+                     f"{c['bytes_s'] / GB:.2f}"] + [
                 f"{by_op[op]['latency_s'] * 1e6:,.0f} us + bytes / {by_op[op]['bytes_s'] / GB:.2f} GB/s"
                 if op in by_op else "—" for op in ("all_gather", "all_to_all")]
         else:
-            cells = ["—"] * 4
+            cells = ["—"] * 5
         lines.append(f"| {ranks} x {threads} | {layer['flops_s'] / 1e9:.2f} | {layer['fixed_fwd_s'] * 1e3:.2f} | "
                      f"{layer['fixed_bwd_s'] * 1e3:.2f} | {layer['rest_fwd_s'] * 1e3:.2f} | "
                      f"{layer['rest_bwd_s'] * 1e3:.2f} | " + " | ".join(cells) + f" | {fit['copy_bytes_s'] / GB:.1f} |")
