@@ -159,9 +159,14 @@ def print_step_time(step: StepTime) -> None:
     for key, label in TERMS:
         seconds = step.seconds[key]
         if seconds:
-            print(f"  {label:<44} {seconds:>10.1f} s  {seconds / step.total:>4.0%}")
-    print(f"  {'step':<44} {step.total:>10.1f} s  ({step.schedule})")
+            print(f"  {label:<44} {_step_seconds(seconds):>10} s  {seconds / step.total:>4.0%}")
+    print(f"  {'step':<44} {_step_seconds(step.total):>10} s  ({step.schedule})")
     print(f"  rollout decode: {step.decode_tokens_per_s:,.0f} tokens/s over the whole rollout")
+
+
+def _step_seconds(seconds: float) -> str:
+    """Tenths of a second, or milliseconds for a step under 10 s (a CPU rank's tiny model)."""
+    return f"{seconds:.1f}" if seconds >= 10 else f"{seconds:.3f}"
 
 
 def step_time_json(step: StepTime) -> dict:
