@@ -29,6 +29,11 @@ def shipped(kind: str) -> list[str]:
     return sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(CONFIGS_DIR, kind)) if f.endswith(".yaml"))
 
 
+def shipped_paths(kind: str) -> list[str]:
+    """The paths of the YAMLs in configs/<kind>/."""
+    return [os.path.join(CONFIGS_DIR, kind, f"{name}.yaml") for name in shipped(kind)]
+
+
 def find_config(kind: str, ref: str) -> str | None:
     """The file ``ref`` names: a path (relative to the current directory first), a shipped name
     (``tiny_gspo``), or a shipped path as the docs write it (``configs/recipe/tiny_gspo.yaml``),

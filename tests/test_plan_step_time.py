@@ -6,12 +6,13 @@ from dataclasses import replace
 
 import pytest
 
+from megatron_bridge.configs import shipped_paths
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import flops, memory, step_time
 from megatron_bridge.plan.cli import main as plan_main
 from megatron_bridge.plan.collectives import AllToAll, Group, Groups, ring_bytes
 from megatron_bridge.plan.hardware import (Assumptions, Figure, Hardware, Overheads, Overrides, Rates, hardware_for,
-                                           load_hardware, shipped_hardware)
+                                           load_hardware)
 from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, load_layout
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.plan.step_time import Workload, bubble_fraction
@@ -260,8 +261,8 @@ def test_a_probes_sheet_gives_its_fixed_costs(tmp_path):
 
 
 def test_every_shipped_sheet_loads_with_a_source_for_each_figure():
-    assert len(shipped_hardware()) >= 4
-    for path in shipped_hardware():
+    assert len(shipped_paths("hardware")) >= 4
+    for path in shipped_paths("hardware"):
         hw = load_hardware(path)
         for figure in (hw.bf16_tflops, hw.hbm_gb_s, hw.intra_node_gb_s, hw.inter_node_gb_s):
             assert figure.source.strip() and figure.kind in ("peak", "measured")
@@ -271,7 +272,7 @@ def test_every_shipped_sheet_loads_with_a_source_for_each_figure():
 
 def test_a_bad_sheet_is_a_config_error(tmp_path):
     good = tmp_path / "x.yaml"
-    sheet = open(shipped_hardware()[0]).read()
+    sheet = open(shipped_paths("hardware")[0]).read()
     good.write_text(sheet.replace("\n  kind: peak", "\n  kind: guess", 1))
     with pytest.raises(ConfigError, match="choose one of peak, measured"):
         load_hardware(str(good))

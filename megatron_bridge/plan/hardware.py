@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron_bridge.configs import CONFIGS_DIR, check_keys, find_config, key_tree, read_yaml, shipped, typed_fields
+from megatron_bridge.configs import check_keys, find_config, key_tree, read_yaml, shipped, typed_fields
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.layout import Cluster
 
@@ -97,10 +97,6 @@ def hardware_for(cluster: Cluster) -> Hardware | None:
     return None
 
 
-def shipped_hardware() -> list[str]:
-    return [os.path.join(CONFIGS_DIR, "hardware", f"{name}.yaml") for name in shipped("hardware")]
-
-
 @dataclass(frozen=True)
 class Assumptions:
     """What the model assumes and the user may switch (``plan check/search --mfu`` and the rest)."""
@@ -143,21 +139,21 @@ class Rates:
     def of(cls, hw: Hardware | None, assume: Assumptions, given: Overrides = Overrides()) -> "Rates | None":
         """None when neither the sheet nor the command line gives every rate."""
 
-        def rate(figure: Figure | None, override: float | None, efficiency: float, unit: float) -> float | None:
-            if override is not None:
-                return override * unit
+        def rate(figure: Figure | None, efficiency: float, unit: float) -> float | None:
             if figure is None:
                 return None
             return figure.value * unit * (efficiency if figure.kind == "peak" else 1.0)
 
-        # the MFU is the compute's achieved share of a peak (a sheet's or --tflops); a measured rate is achieved already
-        measured = given.tflops is None and hw is not None and hw.bf16_tflops.kind == "measured"
-        peak = rate(hw and hw.bf16_tflops, given.tflops, 1.0, 1e12)
+        def given_or(override: float | None, figure: Figure | None) -> Figure | None:
+            return figure if override is None else Figure(override, "measured", "command line", "")
+
+        # --tflops is a peak (the MFU applies, as to a sheet's peak); the other overrides are as achieved
+        tflops = hw and hw.bf16_tflops if given.tflops is None else Figure(given.tflops, "peak", "command line", "")
         values = (
-            peak and peak * (1.0 if measured else assume.mfu),
-            rate(hw and hw.hbm_gb_s, given.hbm_gb_s, assume.hbm_efficiency, GB),
-            rate(hw and hw.intra_node_gb_s, given.intra_node_gb_s, assume.link_efficiency, GB),
-            rate(hw and hw.inter_node_gb_s, given.inter_node_gb_s, assume.link_efficiency, GB),
+            rate(tflops, assume.mfu, 1e12),
+            rate(given_or(given.hbm_gb_s, hw and hw.hbm_gb_s), assume.hbm_efficiency, GB),
+            rate(given_or(given.intra_node_gb_s, hw and hw.intra_node_gb_s), assume.link_efficiency, GB),
+            rate(given_or(given.inter_node_gb_s, hw and hw.inter_node_gb_s), assume.link_efficiency, GB),
         )
         if any(v is None for v in values):
             return None

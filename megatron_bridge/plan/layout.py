@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import CONFIGS_DIR, check_keys, find_config, read_yaml, section, shipped, typed_value
+from megatron_bridge.configs import check_keys, find_config, read_yaml, section, shipped, typed_value
 from megatron_bridge.plan.platforms import PLATFORMS
 
 NPU_KINDS = ("a2", "a3")
@@ -223,10 +223,6 @@ def layout_from_dict(data: Mapping[str, Any], name: str) -> Layout:
                 values[cls][keys[key]] = typed_value(value, hints[keys[key]], f"{path}.{key}", name, _RULES)
     return Layout(name=name, train=TrainParallel(**values[TrainParallel]),
                   rollout=RolloutParallel(**values[RolloutParallel]), cluster=Cluster(**values[Cluster]))
-
-
-def shipped_layouts() -> list[str]:
-    return [os.path.join(CONFIGS_DIR, "parallel", f"{name}.yaml") for name in shipped("parallel")]
 
 
 def load_layout(path: str) -> Layout:
