@@ -13,6 +13,10 @@ hook reads):
 - ``prompt_lengths`` [b] long;
 - ``sequence_starts`` [b] long, optional: row i's first token on the flattened token axis
   (``input_ids`` viewed as [b * s] or [T]); absent means i * s, the padded layout;
+- ``held_positions`` [s'] long, only with context parallel: the positions of each sequence (packed:
+  of the one sequence) that this CP rank's logits are for, [b, s', V/tp]; ``input_ids`` stay whole.
+  Each CP rank scores the tokens whose predecessor it holds and the [b, R] results are summed over
+  the CP group, so every CP rank computes every sequence-level quantity and the same loss;
 - ``response_mask`` [b, R]: R is the response width, the same for every micro-batch;
 - ``old_log_probs``, ``advantages`` [b, R]; ``ref_log_probs`` [b, R] only with the KL loss;
 - ``rollout_is_weights`` [b, R], optional: rollout-correction IS weights (``loss.rollout_correction``),
@@ -38,7 +42,7 @@ from .kl import KL_PENALTY_TYPES, kl_penalty
 from .policy import compute_policy_loss
 from .registry import PolicyLossSettings, policy_loss_modes
 from .rules import Rule, at_least, check_fields, greater_than, one_of
-from .vocab_parallel import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs_and_entropy
+from .vocab_parallel import DEFAULT_CHUNK_SIZE, sum_over_context_parallel, vocab_parallel_log_probs_and_entropy
 
 Metrics = dict[str, torch.Tensor]
 
@@ -103,25 +107,31 @@ class MiniBatchNorm(Normalization):
 def _response_tokens(
     logits: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The logits as rows [b * s or T, V/tp]; the rows that predict the response tokens [N] and
-    those tokens [N]; each token's (row, column) in [b, R]."""
+    """The logits as rows [b * s' or T', V/tp]; the rows that predict the response tokens this rank
+    scores [N] and those tokens [N]; each token's (row, column) in [b, R]. Without context
+    parallel s' = s and every response token is scored; with it (``held_positions``) the logits
+    cover the s' held positions of each row, and a token is scored where its predecessor is held."""
     input_ids, prompt_lengths = micro_batch["input_ids"], micro_batch["prompt_lengths"]
     mask = micro_batch["response_mask"].bool()
     starts = micro_batch.get("sequence_starts")
+    held = micro_batch.get("held_positions")
+    width = input_ids.shape[1]
+    held_shape = input_ids.shape if held is None else (input_ids.shape[0], len(held))
     if (
-        input_ids.dim() != 2 or logits.shape[:-1] != input_ids.shape or prompt_lengths.shape != mask.shape[:1]
+        input_ids.dim() != 2 or logits.shape[:-1] != held_shape or prompt_lengths.shape != mask.shape[:1]
         or (starts is None and input_ids.shape[0] != len(prompt_lengths))
         or (starts is not None and starts.shape != prompt_lengths.shape)
     ):
         raise ValueError(
             f"expected logits [b, s, V/tp], input_ids [b, s], prompt_lengths [b], response_mask [b, R] (packed: "
-            f"logits [1, T, V/tp], input_ids [1, T] and sequence_starts [b]); got logits {tuple(logits.shape)}, "
-            f"input_ids {tuple(input_ids.shape)}, prompt_lengths {tuple(prompt_lengths.shape)}, response_mask "
-            f"{tuple(mask.shape)}, sequence_starts {None if starts is None else tuple(starts.shape)}"
+            f"logits [1, T, V/tp], input_ids [1, T] and sequence_starts [b]; with held_positions [s'], logits "
+            f"[b, s', V/tp]); got logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)}, prompt_lengths "
+            f"{tuple(prompt_lengths.shape)}, response_mask {tuple(mask.shape)}, sequence_starts "
+            f"{None if starts is None else tuple(starts.shape)}, held_positions {None if held is None else tuple(held.shape)}"
         )
     total = input_ids.numel()
     if starts is None:
-        starts = torch.arange(len(prompt_lengths), device=input_ids.device) * input_ids.shape[1]
+        starts = torch.arange(len(prompt_lengths), device=input_ids.device) * width
     # A row ends where the next one (in token order) starts.
     order = starts.argsort()
     ends = torch.empty_like(starts)
@@ -132,7 +142,16 @@ def _response_tokens(
     if bool(((token_pos <= starts[rows]) | (token_pos >= ends[rows])).any()):
         raise ValueError("response tokens must lie inside their sequence, after a prompt of at least one token "
                          "(check prompt_lengths, response_mask and sequence_starts)")
-    return logits.reshape(total, logits.shape[-1]), token_pos - 1, input_ids.reshape(total)[token_pos], (rows, cols)
+    targets = input_ids.reshape(total)[token_pos]  # read from the whole sequence: shifted before any split
+    predicting = token_pos - 1
+    if held is not None:
+        local = torch.full((width,), -1, dtype=torch.long, device=held.device)
+        local[held] = torch.arange(len(held), device=held.device)
+        local = local[predicting % width]
+        mine = local >= 0
+        predicting = (predicting // width * len(held) + local)[mine]
+        targets, rows, cols = targets[mine], rows[mine], cols[mine]
+    return logits.reshape(-1, logits.shape[-1]), predicting, targets, (rows, cols)
 
 
 def response_log_probs(
@@ -156,7 +175,11 @@ def response_log_probs(
     )
     shape = micro_batch["response_mask"].shape
     log_probs = log_probs.new_zeros(shape).index_put(where, log_probs)
-    return log_probs, None if entropy is None else entropy.new_zeros(shape).index_put(where, entropy)
+    entropy = None if entropy is None else entropy.new_zeros(shape).index_put(where, entropy)
+    if "held_positions" in micro_batch:  # each CP rank scored the tokens it holds: the whole rows on every one
+        log_probs = sum_over_context_parallel(log_probs)
+        entropy = None if entropy is None else sum_over_context_parallel(entropy)
+    return log_probs, entropy
 
 
 def _token_weighted(value: float, local_tokens: torch.Tensor, norm: MiniBatchNorm) -> torch.Tensor:

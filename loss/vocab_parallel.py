@@ -216,3 +216,28 @@ def vocab_parallel_log_probs_and_entropy(
     chunk = chunk_rows(positions.numel(), logits.shape[0], chunk_size)
     reuse = reuse_logits and logits.requires_grad and not _held_by_caller(logits)
     return _LogProbsAndEntropy.apply(logits, positions, targets, temperature, with_entropy, chunk, reuse)
+
+
+class _SumOverContextParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, group) -> torch.Tensor:
+        values = values.clone()
+        dist.all_reduce(values, group=group)
+        return values
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over_context_parallel(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over megatron's context-parallel group, where each CP rank filled the
+    tokens it holds (zeros elsewhere): every CP rank then holds the whole rows. The gradient
+    passes through unchanged: every CP rank computes the same loss from the same whole rows, and
+    each rank's gradient reaches only the logits of its own tokens (megatron's schedule multiplies
+    the loss by CP, its DDP divides by DP x CP). Without CP, ``values`` as they are."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() <= 1:
+        return values
+    return _SumOverContextParallel.apply(values, parallel_state.get_context_parallel_group())

@@ -57,7 +57,8 @@ def own_log_probs(checkpoint: str, batch: dict[str, torch.Tensor]) -> torch.Tens
     return own.gather(1, (positions - 1).clamp(max=ids.shape[1] - 2))
 
 
-def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_tokens, batch, out_prefix, loss_names):
+def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_tokens, batch, out_prefix, losses):
+    """One step per loss (``losses``: name -> ActorLossConfig), each from the checkpoint's weights."""
     from functools import partial
 
     from megatron.core import parallel_state as ps
@@ -78,12 +79,12 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_to
     rows = len(batch["input_ids"]) // dp
     mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
     results = {}
-    for name in loss_names:
+    for name, loss in losses.items():
         actor = MegatronActor(spec, train, BuildOptions(params_dtype=torch.float32), optim, "cpu", pack)
         actor.load_hf(checkpoint)
         assert actor.packs == pack
         before = {k: v.clone() for k, v in _named(actor).items()}
-        metrics = actor.train_step(mine, micro_batch_size, partial(policy_loss_func, LOSSES[name]), max_tokens)
+        metrics = actor.train_step(mine, micro_batch_size, partial(policy_loss_func, loss), max_tokens)
         slices = [(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(actor.chunks, spec)]
         torch.save(slices, f"{out_prefix}_{name}_rank{rank}.pt")
         after = _named(actor)
@@ -95,12 +96,13 @@ def _update(rank, world_size, checkpoint, train_kwargs, micro_batch_size, max_to
     return results
 
 
-def _updates(rank, world_size, checkpoint, splits, batch, out_dir, loss_names):
-    """``_update`` for each split, megatron's parallel state built again between them."""
+def _updates(rank, world_size, checkpoint, splits, batch, out_dir, losses):
+    """``_update`` for each split (layout, micro-batch rows, token budget[, its own losses]),
+    megatron's parallel state built again between them."""
     results = {}
-    for split, (train_kwargs, micro, max_tokens) in splits.items():
+    for split, (train_kwargs, micro, max_tokens, *own) in splits.items():
         results[split] = _update(rank, world_size, checkpoint, train_kwargs, micro, max_tokens, batch,
-                                 f"{out_dir}/{split}", loss_names)
+                                 f"{out_dir}/{split}", own[0] if own else losses)
         reset_parallel_state()
     return results
 
@@ -179,6 +181,11 @@ def _full_shape(hf_name):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    return checkpoint_and_batch(tmp_path_factory)
+
+
+def checkpoint_and_batch(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """The tiny checkpoint and the batch every update here starts from."""
     checkpoint = save_checkpoint(tmp_path_factory.mktemp("tiny_hf"), seed=1)
     return checkpoint, make_batch(checkpoint)
 
@@ -216,16 +223,23 @@ SPLITS = {  # name: (ranks, layout, micro-batch rows, token budget)
 
 @pytest.fixture(scope="module")
 def updates(setup, tmp_path_factory):
-    """Every split's update, the splits of one world size in one set of ranks (``_updates``)."""
+    return run_splits(setup, SPLITS, LOSSES, tmp_path_factory)
+
+
+def run_splits(setup, splits: dict, losses: dict, tmp_path_factory) -> dict:
+    """Every split's update (``splits``: name -> (ranks, layout, micro-batch rows, token budget[,
+    its own losses])): the splits of one world size in one set of ranks (``_updates``). Returns
+    per split (every rank's metrics, the assembled weights per loss)."""
     checkpoint, batch = setup
     out = {}
-    for world in sorted({world for world, *_ in SPLITS.values()}):
-        splits = {split: rest for split, (w, *rest) in SPLITS.items() if w == world}
+    for world in sorted({world for world, *_ in splits.values()}):
+        mine = {split: rest for split, (w, *rest) in splits.items() if w == world}
         tmp = tmp_path_factory.mktemp(f"world{world}")
-        results = run_ranks(_updates, world, tmp, checkpoint, splits, batch, str(tmp), list(LOSSES))
-        for split in splits:
+        results = run_ranks(_updates, world, tmp, checkpoint, mine, batch, str(tmp), losses)
+        for split, rest in mine.items():
+            names = rest[3] if len(rest) > 3 else losses
             out[split] = ([rank[split] for rank in results],
-                          {name: assemble(str(tmp / split), name, world) for name in LOSSES})
+                          {name: assemble(str(tmp / split), name, world) for name in names})
     return out
 
 
@@ -234,15 +248,21 @@ def updates(setup, tmp_path_factory):
 @pytest.mark.parametrize("split", [s for s in SPLITS if s != "dp1_mb4"])
 @pytest.mark.numerics
 def test_update_is_the_same_for_any_split(setup, updates, split, loss_name):
+    assert_same_update(setup, updates["dp1_mb4"], updates[split], loss_name, LOSSES[loss_name])
+
+
+def assert_same_update(setup, reference, update, loss_name: str, loss: ActorLossConfig) -> None:
+    """``update`` (every rank's metrics, the assembled weights) took the step ``reference`` took
+    with the loss ``loss_name``, within the rounding of its sums (``tolerances``)."""
     checkpoint, batch = setup
-    ref_results, ref_weights = updates["dp1_mb4"]
-    results, weights = updates[split]
+    ref_results, ref_weights = reference
+    results, weights = update
     ref = ref_results[0][loss_name]
     assert ref["actor/skipped"] == 0 and ref["max_change"] > 1e-4, "the reference update must move the weights"
-    assert 0 < ref["actor/pg_clipfrac"] < 1, "the batch must mix clipped and unclipped tokens"
+    assert 0 < ref["actor/pg_clipfrac"] < 1, f"{loss_name}: the batch must mix clipped and unclipped tokens"
     tolerance = tolerances(checkpoint, batch, {**ref, "max_grad": max(r[loss_name]["max_grad"] for r in ref_results)})
     keys = ["actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/entropy", "actor/ppo_kl", "actor/lr"]
-    keys += ["actor/kl_loss"] if LOSSES[loss_name].use_kl_loss else []
+    keys += ["actor/kl_loss"] if loss.use_kl_loss else []
     for rank_result in results:
         got = rank_result[loss_name]
         for key in keys:

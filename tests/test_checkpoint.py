@@ -1,5 +1,6 @@
 """Reshardable checkpoints (megatron_bridge.runtime.checkpoint): a checkpoint written under EP2
-after one update loads under another layout (TP2, DP2, PP2 with VPP2; on 4 ranks PP2 x VPP2 x EP2)
+after one update loads under another layout (TP2, DP2, PP2 with VPP2; on 4 ranks PP2 x VPP2 x EP2;
+one written under CP2 on 1 rank)
 and the next update there matches the one after it under EP2 (loss, grad norm and new weights
 within fp32 rounding, so weights, Adam moments and step came back); one written under DP2 loads
 under EP2; under the same layout bit for bit, RNG states included. An incomplete or damaged
@@ -139,6 +140,15 @@ def test_resume_of_a_dp2_checkpoint_under_ep2(tmp_path_factory, tmp_path):
     optimizer for them) read."""
     written_dp2 = _write(tmp_path_factory, {})
     _assert_continues(written_dp2, *_resume(written_dp2, tmp_path, WRITER))
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_resume_of_a_cp2_checkpoint_on_one_rank(tmp_path_factory, tmp_path):
+    """Context parallel splits sequences, not weights: written by 2 ranks under CP2 (each holding
+    half of every sequence and the whole model), read by 1 rank under CP1."""
+    written_cp2 = _write(tmp_path_factory, {"cp": 2})
+    _assert_continues(written_cp2, *_resume(written_cp2, tmp_path, {}, world_size=1))
 
 
 @pytest.mark.slow

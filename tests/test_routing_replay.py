@@ -38,6 +38,10 @@ LAYOUTS = {
     "tp2_ep2": (4, dict(tp=2, ep=2, etp=1, sequence_parallel=True)),
     # packed micro-batches: the routers see the rows back to back, with sequence parallel a slice of that
     "tp2_sp_packed": (2, dict(tp=2, sequence_parallel=True, pack=True)),
+    # context parallel: each rank routes its load-balanced chunks of every sequence (packed: of each
+    # row in the pack), with sequence parallel a TP slice of those
+    "cp2": (2, dict(cp=2)),
+    "tp2_cp2_packed": (4, dict(tp=2, cp=2, sequence_parallel=True, pack=True)),
 }
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 _GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")

@@ -11,8 +11,8 @@ of the routers a ``RoutingTap`` is attached to, with the router's logits, to tha
   experts, computed from this forward's logits the way the router computes them (Qwen3-MoE's
   ``norm_topk_prob``: a softmax over the k chosen logits), so the router keeps its gradient.
 
-Tokens reach a router as [s, b] flattened sequence-major; with sequence parallel each TP rank
-routes its 1/TP slice of s. The actor announces each micro-batch around its model call
+Tokens reach a router as [s, b] flattened sequence-major; with context parallel each CP rank routes
+its held positions of s, and with sequence parallel each TP rank its 1/TP slice of those. The actor announces each micro-batch around its model call
 (``micro_batch``); a routing call outside that is activation recompute during the backward pass,
 which replays the experts that micro-batch's forward used: first in, first out per router, the
 order in which megatron's schedules run a stage's backward passes.
@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from megatron_bridge.moe.table import NONE, ROUTING_DTYPE, RoutingRecord, changed_slots, empty_routing
-from megatron_bridge.runtime.batch import RESPONSE_ENDS, ROUTED_EXPERTS, ROW_INDEX, SEQUENCE_STARTS
+from megatron_bridge.runtime.batch import HELD_POSITIONS, RESPONSE_ENDS, ROUTED_EXPERTS, ROW_INDEX, SEQUENCE_STARTS
 
 
 _wrapped = False
@@ -268,13 +268,15 @@ def _router_tokens(micro_batch: dict[str, torch.Tensor], seq_len: int,
     """For each token this rank's routers see, in their order: its row in the micro-batch, its
     position in that row's sequence, and whether it is a real token (not padding at the end of a
     packed sequence). Routers see [s, b] flattened sequence-major (packed: b = 1, the rows back to
-    back); with sequence parallel, each TP rank its 1/TP slice of s."""
+    back); with context parallel, the CP rank's ``held_positions`` of s; with sequence parallel,
+    each TP rank its 1/TP slice of those."""
     ends = micro_batch[RESPONSE_ENDS]
-    span = torch.arange(seq_len, device=ends.device)
+    span = micro_batch.get(HELD_POSITIONS)
+    span = torch.arange(seq_len, device=ends.device) if span is None else span.to(ends.device)
     if sequence_parallel:
         from megatron.core import parallel_state as ps
 
-        share = seq_len // ps.get_tensor_model_parallel_world_size()
+        share = len(span) // ps.get_tensor_model_parallel_world_size()
         span = span[ps.get_tensor_model_parallel_rank() * share:][:share]
     starts = micro_batch.get(SEQUENCE_STARTS)
     if starts is None:

@@ -24,6 +24,7 @@ import torch
 from loss.megatron_hook import MiniBatchNorm
 from megatron_bridge.runtime.batch import (
     CU_SEQLENS,
+    HELD_POSITIONS,
     INPUT_IDS,
     POSITION_IDS,
     RESPONSE_ENDS,
@@ -32,6 +33,7 @@ from megatron_bridge.runtime.batch import (
     SEQUENCE_STARTS,
     response_ends,
 )
+from megatron_bridge.runtime import context_parallel
 from megatron_bridge.runtime.optim import OptimConfig
 from megatron_bridge.plan.layout import TrainParallel
 from megatron_bridge.weights.load import LoadReport, load_hf_checkpoint
@@ -171,18 +173,20 @@ class MegatronActor:
     def micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
                        max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
         """The batch's rows as micro-batches, each padded to one length rounded up to a multiple of
-        TP (sequence parallel splits it): ``micro_batch_size`` rows each, all padded to the
+        TP (sequence parallel splits it; with context parallel, of ``context_parallel.multiple``):
+        ``micro_batch_size`` rows each, all padded to the
         longest sequence; or, with a token budget ``max_tokens``, rows of similar length together,
         each micro-batch padded to its own longest (``token_budget_runs``). Every rank cuts alike
         (the lengths are maxed over all ranks first): a micro-batch must have the same shape on
         every rank for the allgather dispatcher's equal-size gathers and the pipeline's p2p.
         Packed (``packs``), a micro-batch's rows go back to back up to their response ends in one
-        sequence, padded at its end only, and a token budget counts their tokens."""
+        sequence, padded at its end only (with context parallel each row to a multiple of 2 x CP),
+        and a token budget counts their tokens."""
         self._require_on_device()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         ends = response_ends(batch)
-        lengths_of_rows = ends.clamp(min=1)
-        multiple = self.train.tp
+        lengths_of_rows = self._packed_sizes(ends) if self.packs else ends.clamp(min=1)
+        multiple = context_parallel.multiple(self.train.cp, self.train.tp)
         if max_tokens is None:
             length = lengths_of_rows.max().reshape(1)
             torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
@@ -213,21 +217,33 @@ class MegatronActor:
                               ends: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """One packed sequence per group of rows, its length the largest over all ranks (rounded up
         to TP); all of one length when the pipeline cannot send others."""
-        totals = torch.stack([ends[rows].clamp(min=1).sum() for rows in groups])
+        sizes = self._packed_sizes(ends)
+        totals = torch.stack([sizes[rows].sum() for rows in groups])
         torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.MAX)
         if self.train.pp > 1 and not self.config.variable_seq_lengths:
             totals = totals.max().expand_as(totals)
-        multiple = self.train.tp
-        return [_packed(batch, rows, math.ceil(int(total) / multiple) * multiple, ends)
+        multiple = context_parallel.multiple(self.train.cp, self.train.tp)
+        return [_packed(batch, rows, math.ceil(int(total) / multiple) * multiple, ends, sizes[rows])
                 for rows, total in zip(groups, totals)]
+
+    def _packed_sizes(self, ends: torch.Tensor) -> torch.Tensor:
+        """Each row's tokens in a packed sequence: up to its response end, at least one, and with
+        context parallel a multiple of 2 x CP (each sequence splits into 2 x CP chunks)."""
+        unit = 2 * self.train.cp if self.train.cp > 1 else 1
+        return (ends.clamp(min=1) + unit - 1) // unit * unit
 
     def _run(self, micro_batches: list, loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
+            input_ids, positions = mb[INPUT_IDS], mb[POSITION_IDS]
+            if self.train.cp > 1:  # the model sees this rank's positions; the loss reads labels from the whole rows
+                held = context_parallel.held(input_ids.shape[1], mb.get(CU_SEQLENS), device=input_ids.device)
+                mb = {**mb, HELD_POSITIONS: held}
+                input_ids, positions = input_ids[:, held], positions[:, held]
             with self.forward_context(mb, mb[INPUT_IDS].shape[1]):
-                output = model(input_ids=mb[INPUT_IDS], position_ids=mb[POSITION_IDS], attention_mask=None,
+                output = model(input_ids=input_ids, position_ids=positions, attention_mask=None,
                                packed_seq_params=_packed_seq_params(mb))
             return output, partial(loss_fn, mb)
 
@@ -375,18 +391,22 @@ def _padded(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, en
     return {**part, INPUT_IDS: ids, POSITION_IDS: positions, ROW_INDEX: rows, RESPONSE_ENDS: ends[rows]}
 
 
-def _packed(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, ends: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The batch's ``rows`` with their tokens up to their response ends back to back in one
-    sequence of ``seq_len`` tokens (zeros after them), each row's positions from 0."""
+def _packed(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, ends: torch.Tensor,
+            sizes: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch's ``rows``, ``sizes`` tokens each (at least up to their response ends), back to
+    back in one sequence of ``seq_len`` tokens (zeros after them), each row's positions from 0."""
     part = {k: v[rows] for k, v in batch.items()}
-    sizes = ends[rows].clamp(min=1)
-    width = part[INPUT_IDS].shape[1]
-    kept = torch.arange(width, device=sizes.device) < sizes[:, None]
+    width = int(sizes.max())
+    tokens = part[INPUT_IDS][:, :width]
+    if tokens.shape[1] < width:
+        tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]))
+    span = torch.arange(width, device=sizes.device)
+    kept = span < sizes[:, None]
     total = int(sizes.sum())
     ids = part[INPUT_IDS].new_zeros(1, seq_len)
-    ids[0, :total] = part[INPUT_IDS][kept]
+    ids[0, :total] = tokens[kept]
     positions = torch.zeros_like(ids)
-    positions[0, :total] = torch.arange(width, device=ids.device).expand_as(kept)[kept]
+    positions[0, :total] = span.expand_as(kept)[kept]
     bounds = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)] + ([sizes.new_tensor([seq_len])] if seq_len > total else []))
     return {**part, INPUT_IDS: ids, POSITION_IDS: positions, ROW_INDEX: rows, RESPONSE_ENDS: ends[rows],
             SEQUENCE_STARTS: bounds[: len(sizes)], CU_SEQLENS: bounds.to(torch.int32)}

@@ -10,6 +10,16 @@ Same inputs and output as ``DotProductAttention`` (``[s, b, heads, head_dim]`` i
 heads x head_dim]`` out), causal, with the actor's padding convention: sequences are right-padded,
 so a causal mask alone keeps every real token from seeing padding. Packed micro-batches (``thd``,
 ``PackedSeqParams`` with ``cu_seqlens``) attend within each sequence.
+
+With context parallel (CP > 1) each rank holds megatron's load-balanced chunks r and 2 CP - 1 - r of
+every sequence (``megatron_bridge.runtime.context_parallel``). K and V are all-gathered over the CP
+group, and each local chunk of queries attends to the keys up to its own end (the causal mask
+aligned at the bottom right); backward sums the K/V gradients back to their ranks. All-gather
+rather than a ring: K/V are the small side under grouped-query attention (Qwen3-30B-A3B: 4 K/V
+heads to 32 query heads, so a whole sequence's K/V is 1/4 of the local queries' size at CP 2), it
+is one collective per layer that any backend has (gloo included), and the result is exact
+attention, not a merge of partial softmaxes; the price is each rank holding one layer's whole K/V
+while it attends, where a ring holds 2 x 1/CP of it.
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+from torch.nn.attention.bias import causal_lower_right
+
+from megatron_bridge.runtime import context_parallel
 
 
 class SDPAttention(MegatronModule):
@@ -35,8 +48,6 @@ class SDPAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention attends within one rank's sequence: context_parallel_size must be 1")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPAttention is causal self-attention; got attn_mask_type={attn_mask_type}")
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -44,6 +55,7 @@ class SDPAttention(MegatronModule):
         self.groups = divide(config.num_query_groups, tp)
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp = config.context_parallel_size
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 attn_mask_type: AttnMaskType | None = None, attention_bias=None,
@@ -51,17 +63,48 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SDPAttention takes no attention bias")
         if packed_seq_params is not None:
+            if self.cp > 1:
+                return self._packed_context_parallel(query, key, value, packed_seq_params)
             return self._packed(query, key, value, packed_seq_params)
+        s, b = query.shape[:2]
+        if self.cp > 1:
+            return self._context_parallel(query, key, value).reshape(s, b, -1)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = self._attend(q, k, v)
-        s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.heads != self.groups)
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.heads != self.groups)
+
+    def _context_parallel(self, query, key, value) -> torch.Tensor:
+        """[s/CP, b, n, d] of this rank's two chunks: each attends to the whole sequence's keys up to
+        its own end."""
+        local = query.shape[0]
+        seq_len, chunk = local * self.cp, local // 2
+        key, value = (context_parallel.gather_sequence(t, seq_len) for t in (key, value))
+        outs = []
+        for part, start in enumerate(context_parallel.held(seq_len)[::chunk].tolist()):
+            q = query[part * chunk:(part + 1) * chunk].permute(1, 2, 0, 3)
+            k, v = (t[: start + chunk].permute(1, 2, 0, 3) for t in (key, value))
+            outs.append(self._attend(q, k, v, causal_lower_right(chunk, start + chunk)))
+        return torch.cat(outs, dim=2).permute(2, 0, 1, 3)
+
+    def _packed_context_parallel(self, query, key, value, packed: PackedSeqParams) -> torch.Tensor:
+        """``thd`` with each sequence split over CP (``cu_seqlens_q``: the whole packed sequence's
+        boundaries): this rank's tokens attend to the earlier tokens of their own sequence."""
+        bounds = packed.cu_seqlens_q
+        total = query.shape[0] * self.cp
+        held = context_parallel.held(total, bounds, device=query.device)
+        key, value = (context_parallel.gather_sequence(t, total, bounds) for t in (key, value))
+        everywhere = torch.arange(total, device=query.device)
+        sequence = torch.searchsorted(bounds, everywhere, right=True)
+        mask = (sequence[held][:, None] == sequence[None, :]) & (everywhere[None, :] <= held[:, None])
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, tokens, d]
+        out = self._attend(q, k, v, mask).squeeze(0).permute(1, 0, 2)
+        return out.reshape(query.shape[0], 1, -1)
 
     def _packed(self, query, key, value, packed: PackedSeqParams) -> torch.Tensor:
         """``thd``: [t, n, d] with sequences back to back (``cu_seqlens_q``); each attends to itself.

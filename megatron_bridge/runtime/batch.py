@@ -18,7 +18,9 @@ to each micro-batch ``position_ids``, ``row_index`` (the rows' indices in the pa
 ``response_ends``, so that the routing tap reads the ends the actor cut the micro-batch with. A
 packed micro-batch (``use_remove_padding``) holds its rows' tokens up to their response ends back to
 back in ``input_ids`` [1, T], with ``sequence_starts`` and ``cu_seqlens``; the per-row keys keep
-their [b, ...] shapes.
+their [b, ...] shapes. With context parallel every CP rank keeps the whole micro-batch and the model
+gets the ``held_positions`` of it (``megatron_bridge.runtime.context_parallel``); packed, each row's
+tokens are padded to a multiple of 2 x CP.
 
 It lives here, beside the actor, because ``megatron_bridge`` may not import ``recipe`` while the
 recipe may import ``megatron_bridge``; it names the loss hook's inputs but computes nothing of the
@@ -46,6 +48,8 @@ RESPONSE_ENDS = "response_ends"
 # ... and to each packed one (its rows back to back in one sequence of the input_ids [1, T])
 SEQUENCE_STARTS = "sequence_starts"  # [b]: where each row's tokens begin in the packed sequence
 CU_SEQLENS = "cu_seqlens"  # [b + 1 or b + 2] int32: sequence boundaries (a trailing padding segment last)
+# ... and, with context parallel, to what the model and the loss hook see of each micro-batch
+HELD_POSITIONS = "held_positions"  # [s / CP]: the (packed) sequence positions this CP rank holds
 
 
 class ReplayMode(str, Enum):

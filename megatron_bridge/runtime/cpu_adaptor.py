@@ -34,7 +34,8 @@ def _is_cuda_device(device) -> bool:
 
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites a CUDA ``device`` argument to CPU for every torch call (megatron hard-codes
-    ``device="cuda"`` in the causal mask and the schedules' token counter), turns
+    ``device="cuda"`` in the causal mask and the schedules' token counter), drops ``pin_memory``
+    (context parallel's rotary embedding pins its chunk index; the CPU has no pinned memory), turns
     ``Tensor.cuda()`` into a no-op and makes ``Tensor.type()`` report the CUDA type name the
     optimizer checks for. One mode covers all call sites instead of patching each."""
 
@@ -48,6 +49,8 @@ class _CudaToCpuMode(TorchFunctionMode):
                 return name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
         return func(*args, **kwargs)

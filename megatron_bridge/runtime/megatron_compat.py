@@ -140,19 +140,22 @@ def _cover_adam_state(optimizer_class) -> None:
 def _cover_packed_rope() -> None:
     """megatron-core 0.12.1 rotates a packed (``thd``) micro-batch one sequence at a time, a Python
     loop of small operations per sequence, layer, query and key (on the CPU it doubled a forward of
-    32 short rows). Without context parallel the same rotation is one call: each token takes the
-    frequencies of its position within its own sequence, the values the loop gives it."""
+    32 short rows). The same rotation is one call: each token takes the frequencies of its position
+    within its own sequence, the values the loop gives it; with context parallel, the positions
+    this rank holds (``context_parallel.held``, the split megatron's loop assumes too)."""
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_bridge.runtime import context_parallel
 
     original = rope_utils._apply_rotary_pos_emb_thd
 
     @functools.wraps(original)
     def apply_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
-        if parallel_state.get_context_parallel_world_size() > 1:
-            return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
-        positions = torch.arange(t.shape[0], device=t.device) - starts.repeat_interleave(lengths)
+        tokens = context_parallel.held(t.shape[0] * parallel_state.get_context_parallel_world_size(), cu_seqlens,
+                                       device=t.device)
+        sequence = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
+        positions = tokens - cu_seqlens[sequence]
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)

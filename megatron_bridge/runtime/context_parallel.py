@@ -1,0 +1,104 @@
+"""Context parallelism (CP): each rank of a CP group holds a slice of every sequence.
+
+The split is megatron's load-balanced one (``megatron.core.utils.get_batch_on_this_cp_rank``, and
+Transformer Engine's for packed sequences): a sequence is cut into 2 x CP equal chunks and CP rank r
+holds chunks r and 2 CP - 1 - r, so that under causal attention every rank has as many early
+(cheap) as late (expensive) queries. Packed micro-batches (``thd``) split each of their sequences
+that way, every sequence padded to a multiple of 2 x CP; megatron's rotary embedding takes the
+same layout (``rope_utils._apply_rotary_pos_emb_thd``, ``get_pos_emb_on_this_cp_rank``).
+
+The actor keeps every micro-batch whole on every CP rank and hands the model only ``held`` positions;
+labels are read from the whole sequence at the global position after each held one, so they are
+shifted before the split, never after. Two collectives carry everything else:
+
+- ``gather_sequence``: the attention's K and V from every CP rank, in sequence order (forward an
+  all-gather; backward the sum of every rank's gradient at this rank's positions: a reduce-scatter,
+  or an all-reduce where the backend has none, gloo);
+- ``loss.vocab_parallel.sum_over_context_parallel``: per-row values (log-probs, entropies) that
+  each rank filled at its own tokens, added up so that every CP rank holds the whole rows and
+  computes every sequence-level quantity (GSPO's ratio, per-sequence means) and the same loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def cp_size_rank() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+
+
+def multiple(cp: int, tp: int) -> int:
+    """What a micro-batch's (packed) sequence is padded to a multiple of: TP (sequence parallel
+    splits it; megatron-core needs it on for MoE with TP > 1) and, with CP, 2 x CP for the
+    load-balanced split, each rank's 1/CP share still a multiple of TP."""
+    return tp if cp == 1 else math.lcm(2 * cp, cp * tp)
+
+
+def held(seq_len: int, cu_seqlens: torch.Tensor | None = None, cp: int | None = None,
+         rank: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """[seq_len / CP] long: the positions on the (packed) sequence axis that CP rank ``rank`` holds,
+    in the order it holds them (default: this rank of megatron's CP group). ``cu_seqlens``: the
+    boundaries of a packed sequence's parts, each a multiple of 2 x CP long; each part is split
+    on its own."""
+    if cp is None or rank is None:
+        cp, rank = cp_size_rank()
+    if device is None:
+        device = cu_seqlens.device if cu_seqlens is not None else torch.device("cpu")
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    bounds = [0, seq_len] if cu_seqlens is None else [int(b) for b in cu_seqlens]
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if (end - start) % (2 * cp):
+            raise ValueError(f"context parallel: a sequence of {end - start} tokens does not split into 2 x CP = "
+                             f"{2 * cp} equal chunks (the actor pads every sequence to a multiple of {2 * cp})")
+        chunk = (end - start) // (2 * cp)
+        for index in (rank, 2 * cp - 1 - rank):
+            parts.append(torch.arange(start + index * chunk, start + (index + 1) * chunk, device=device))
+    return torch.cat(parts)
+
+
+def _group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group()
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, positions: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        group = _group()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        ctx.save_for_backward(positions, order)
+        return torch.cat(parts)[order]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        positions, order = ctx.saved_tensors
+        group = _group()
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad[positions], None, None
+        by_rank = torch.empty_like(grad)
+        by_rank[order] = grad  # back to the ranks' order: rank r's positions are the r-th block
+        out = grad.new_empty((len(positions), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, by_rank.contiguous(), group=group)
+        return out, None, None
+
+
+def gather_sequence(local: torch.Tensor, seq_len: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """[seq_len / CP, ...] this rank's positions (dim 0) -> [seq_len, ...] in sequence order, from
+    every CP rank; differentiable."""
+    cp, rank = cp_size_rank()
+    every = torch.cat([held(seq_len, cu_seqlens, cp, r, local.device) for r in range(cp)])
+    order = torch.empty_like(every)
+    order[every] = torch.arange(seq_len, device=local.device)  # sequence position -> index in the gather
+    return _GatherSequence.apply(local, held(seq_len, cu_seqlens, cp, rank, local.device), order)
