@@ -146,6 +146,26 @@ def test_layout_yaml_unknown_key_names_the_nearest_one():
         layout_from_dict({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 0}}}, "zero")
 
 
+def test_mindspeeds_context_parallel_algo_is_a_layout_key_and_no_part_of_the_shards():
+    data = yaml.safe_load(open("configs/parallel/qwen3_30b_a3b_2x16_a3.yaml"))
+    otc = data["actor_rollout_ref"]["actor"]["megatron"].setdefault("override_transformer_config", {})
+    otc.update(context_parallel_algo="hybrid_cp_algo", ulysses_degree_in_cp=2)
+    train = layout_from_dict(data, "hybrid").train
+    assert (train.cp_algo, train.ulysses_degree_in_cp) == ("hybrid_cp_algo", 2)
+    assert TrainParallel().cp_algo == "megatron_cp_algo" and TrainParallel().ulysses_degree_in_cp is None
+    # a kernel choice: a checkpoint written under one algorithm is the same shards under another
+    assert train.layout_only == replace(train, cp_algo="megatron_cp_algo", ulysses_degree_in_cp=None).layout_only
+    assert "cp" in train.layout_only and "cp_algo" not in train.layout_only
+    otc["context_parallel_algo"] = "ulysses"
+    with pytest.raises(ConfigError, match=r"context_parallel_algo='ulysses': did you mean ulysses_cp_algo\? choose "
+                                          "one of megatron_cp_algo, ulysses_cp_algo, hybrid_cp_algo, adaptive_cp_algo, "
+                                          "hybrid_adaptive_cp_algo"):
+        layout_from_dict(data, "typo")
+    otc.update(context_parallel_algo="ulysses_cp_algo", ulysses_degree_in_cp=0)
+    with pytest.raises(ConfigError, match="ulysses_degree_in_cp=0: must be a positive integer"):
+        layout_from_dict(data, "zero")
+
+
 def test_model_spec_reads_a_transformers5_checkpoint_config(tmp_path):
     from transformers import Qwen3MoeConfig
 

@@ -18,16 +18,21 @@ Unknown keys are errors that name the nearest known key.
 
 from __future__ import annotations
 
+import math
 import os
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.configs import check_keys, find_config, read_yaml, section, shipped, typed_value
+from megatron_bridge.configs import check_keys, find_config, nearest_key, read_yaml, section, shipped, typed_value
 from megatron_bridge.plan.platforms import PLATFORMS
 
 NPU_KINDS = ("a2", "a3")
+# MindSpeed's context-parallel algorithms (``context_parallel_algo``, branch 2.2.0_core_r0.12.1; the
+# names and the files they are declared in: megatron_bridge/runtime/mindspeed.py). Off the NPU the
+# package's own CP attention runs, which is megatron_cp_algo's split (megatron's load-balanced chunks).
+CP_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo", "adaptive_cp_algo", "hybrid_adaptive_cp_algo")
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,32 @@ class TrainParallel:
     flash_attn: bool = True  # fused attention linear in s (TE / MindSpeed / torch SDPA); false: megatron's local one
     grouped_gemm: bool = True  # the local experts as grouped GEMMs; false: megatron's SequentialMLP loop
     permute_fusion: bool = False  # fused token permutation (Transformer Engine >= 2.1 or MindSpeed only)
+    # How the CP ranks split and attend a sequence (MindSpeed's context_parallel_algo, NPU only; one of
+    # CP_ALGOS) and, for hybrid_cp_algo, the Ulysses degree within CP (the ring degree is CP / it).
+    cp_algo: str = "megatron_cp_algo"
+    ulysses_degree_in_cp: int | None = None
 
     @property
     def layout_only(self) -> dict[str, Any]:
         """The fields that say where each shard lives, not which kernels compute it (a checkpoint
-        written with one set of kernels is the same shards for another)."""
-        kernels = ("flash_attn", "grouped_gemm", "permute_fusion")
+        written with one set of kernels is the same shards for another; CP splits sequences, not
+        weights, so its algorithm is a kernel choice too)."""
+        kernels = ("flash_attn", "grouped_gemm", "permute_fusion", "cp_algo", "ulysses_degree_in_cp")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in kernels}
+
+    @property
+    def seq_multiple(self) -> int:
+        """What a sequence's length must be a multiple of for CP and sequence parallel to split it:
+        CP cuts it into 2*CP load-balanced chunks (megatron_cp_algo, hybrid_cp_algo: MindSpeed asks
+        2*CP for both) or CP contiguous slices (the Ulysses and adaptive algorithms), and sequence
+        parallel cuts each rank's seq_len/CP over TP, so lcm(that, CP*TP) with it."""
+        if self.cp == 1:
+            chunks = 1
+        elif self.cp_algo in ("megatron_cp_algo", "hybrid_cp_algo"):
+            chunks = 2 * self.cp
+        else:
+            chunks = self.cp
+        return math.lcm(chunks, self.cp * self.tp if self.sequence_parallel else 1)
 
     @property
     def expert_tp(self) -> int:
@@ -163,6 +187,9 @@ _TRANSFORMER_KEYS = {
     "use_flash_attn": "flash_attn",
     "moe_grouped_gemm": "grouped_gemm",
     "moe_permute_fusion": "permute_fusion",
+    # MindSpeed's names: verl hands override_transformer_config to MindSpeed's repatch as it is
+    "context_parallel_algo": "cp_algo",
+    "ulysses_degree_in_cp": "ulysses_degree_in_cp",
 }
 _ROLLOUT_KEYS = {
     "tensor_model_parallel_size": "tp",
@@ -195,6 +222,13 @@ def _base_type(hint: Any) -> Any:
     return next(a for a in typing.get_args(hint) or (hint,) if a is not type(None))
 
 
+def _choice(value: str, choices: tuple[str, ...]) -> str | None:
+    if value in choices:
+        return None
+    near = nearest_key(value, choices)
+    return (f"did you mean {near}? " if near else "") + f"choose one of {', '.join(choices)}"
+
+
 # The layout's value rules, by YAML key: every count (sizes, nodes, layers, sequences) at least 1 and
 # every number above 0, and the choices.
 _BY_TYPE = {
@@ -206,6 +240,7 @@ _RULES = {
        if (tp := _base_type(typing.get_type_hints(cls)[f])) in _BY_TYPE},
     "trainer.device": lambda v: None if v in PLATFORMS else f"choose one of {', '.join(PLATFORMS)}",
     "trainer.npu_kind": lambda v: None if v in NPU_KINDS else f"choose one of {', '.join(NPU_KINDS)}",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo": lambda v: _choice(v, CP_ALGOS),
     "actor_rollout_ref.rollout.gpu_memory_utilization": lambda v: None if 0 < v < 1 else "must be in (0, 1)",
 }
 
