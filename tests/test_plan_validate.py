@@ -159,8 +159,9 @@ def test_expert_tp_must_split_moe_ffn():
 def test_sequence_parallel_rules():
     assert "train.sp_needs_tp" in rules(Q30, make(TrainParallel(sequence_parallel=True)))
     assert "train.moe_tp_needs_sp" in rules(Q30, make(TrainParallel(tp=2)))
-    msg = rules(Q30, make(TrainParallel(tp=4, sequence_parallel=True)), seq_len=4098)["train.sp_seq_divisible"]
-    assert "seq_len/CP (4098/1) must be divisible by tensor_model_parallel_size=4" in msg
+    msg = rules(Q30, make(TrainParallel(tp=4, sequence_parallel=True)), seq_len=4098)["train.seq_len_divisible"]
+    assert msg == ("seq_len=4098 must be a multiple of 4: sequence parallel splits each rank's seq_len/CP over "
+                   "tensor_model_parallel_size=4; pad sequences to a multiple of 4 (e.g. 4100)")
 
 
 def test_heads_and_vocab_must_divide_tp():
@@ -170,12 +171,78 @@ def test_heads_and_vocab_must_divide_tp():
     assert "vocab_size (510) must be divisible by it" in found["train.tp_divides_vocab"]
 
 
-def test_context_parallel_is_refused_on_every_platform_until_it_has_a_data_path():
-    cp = TrainParallel(cp=2)
+CP2 = TrainParallel(tp=2, pp=2, ep=8, etp=1, cp=2, sequence_parallel=True)  # Q30 on 2 x 8 devices
+
+
+def test_a_context_parallel_layout_is_valid_on_every_platform():
     for device in ("cpu", "cuda", "npu"):
-        msg = rules(Q30 if device != "cpu" else TINY, make(cp, devices=2, device=device))["train.cp_no_data_path"]
-        assert "context_parallel_size=2" in msg and "use context_parallel_size=1" in msg
-    assert "train.cp_no_data_path" not in rules(Q30, make(TrainParallel(), devices=2))
+        assert validate(Q30, make(CP2, nnodes=2, device=device), 4096) == [], device
+    assert validate(TINY, make(TrainParallel(cp=2), devices=2, device="cpu"), 16) == []
+    # MindSpeed's algorithms on the NPU: Ulysses over 8 ranks (32 heads / 8; 4 KV heads repeated),
+    # hybrid with 2 Ulysses x 2 ring ranks
+    ulysses = TrainParallel(cp=8, ep=8, etp=1, cp_algo="ulysses_cp_algo")
+    assert validate(Q30, make(ulysses), 4096) == []
+    hybrid = TrainParallel(cp=4, ep=8, etp=1, cp_algo="hybrid_cp_algo", ulysses_degree_in_cp=2)
+    assert validate(Q30, make(hybrid), 4096) == []
+
+
+def test_context_parallel_lengths_split_into_2cp_chunks_and_over_tp():
+    # megatron's load-balanced split: 2*CP chunks, rank r holds chunks r and 2CP-1-r
+    msg = rules(TINY, make(TrainParallel(cp=2), devices=2, device="cpu"), seq_len=18)["train.seq_len_divisible"]
+    assert msg == ("seq_len=18 must be a multiple of 4: context parallel cuts each sequence into 2*CP = 4 chunks "
+                   "(CP rank r holds chunks r and 3-r); pad sequences to a multiple of 4 (e.g. 20)")
+    # with sequence parallel each rank's seq_len/CP splits over TP too: lcm(2*CP, CP*TP)
+    tp4 = replace(CP2, tp=4, pp=1)
+    msg = rules(Q30, make(tp4, nnodes=2), seq_len=4100)["train.seq_len_divisible"]
+    assert msg.startswith("seq_len=4100 must be a multiple of 8: context parallel cuts each sequence into 2*CP = 4 "
+                          "chunks (CP rank r holds chunks r and 3-r); sequence parallel splits each rank's seq_len/CP "
+                          "over tensor_model_parallel_size=4")
+    assert msg.endswith("(e.g. 4104)")
+    assert validate(Q30, make(tp4, nnodes=2), 4104) == []
+    assert (CP2.seq_multiple, tp4.seq_multiple, replace(CP2, cp=4, tp=1, sequence_parallel=False).seq_multiple) == (4, 8, 8)
+    # Ulysses gives each rank one contiguous slice: CP, not 2*CP
+    ulysses = TrainParallel(cp=8, ep=8, etp=1, cp_algo="ulysses_cp_algo")
+    assert ulysses.seq_multiple == 8
+    assert "cuts each sequence into CP = 8 contiguous slices" in rules(Q30, make(ulysses), 4092)["train.seq_len_divisible"]
+    assert "train.seq_len_divisible" not in rules(Q30, make(ulysses), 4088)
+
+
+def test_context_parallel_needs_the_fused_attention():
+    found = rules(Q30, make(replace(CP2, flash_attn=False), nnodes=2, device="cuda"))
+    # megatron-core 0.12.1 transformer/dot_product_attention.py, DotProductAttention.__init__
+    assert "'Context parallelism is only supported by TEDotProductAttention!'" in found["train.cp_needs_flash_attn"]
+    assert found["train.cp_needs_flash_attn"].endswith("set use_flash_attn: true")
+    assert "train.cp_needs_flash_attn" not in rules(Q30, make(TrainParallel(ep=8, etp=1, flash_attn=False)))
+
+
+def test_mindspeeds_cp_algorithms_are_the_npus_and_checked_as_mindspeed_would():
+    for device in ("cpu", "cuda"):
+        found = rules(TINY, make(TrainParallel(cp=2, cp_algo="ulysses_cp_algo"), devices=2, device=device), 16)
+        assert set(found) == {"train.cp_algo_needs_npu"}
+        assert f"on {device} the context-parallel attention is the package's own" in found["train.cp_algo_needs_npu"]
+        assert found["train.cp_algo_needs_npu"].endswith("set context_parallel_algo: megatron_cp_algo")
+    adaptive = rules(Q30, make(TrainParallel(cp=2, ep=8, etp=1, cp_algo="adaptive_cp_algo")))
+    assert "choose megatron_cp_algo (ring), ulysses_cp_algo or hybrid_cp_algo" in adaptive["train.cp_algo_unsupported"]
+    stray = rules(Q30, make(TrainParallel(cp=2, ep=8, etp=1, ulysses_degree_in_cp=2)))
+    assert stray["train.ulysses_degree_needs_hybrid"].endswith("set context_parallel_algo: hybrid_cp_algo")
+    # hybrid: CP / ulysses_degree_in_cp is the ring, at least 2 (MindSpeed's validate_args, which repatch skips)
+    hybrid = TrainParallel(cp=4, ep=8, etp=1, cp_algo="hybrid_cp_algo")
+    for degree, got in ((None, "ulysses_degree_in_cp is not set"), (4, "ulysses_degree_in_cp=4"), (3, "ulysses_degree_in_cp=3")):
+        msg = rules(Q30, make(replace(hybrid, ulysses_degree_in_cp=degree)))["train.cp_hybrid_ulysses_degree"]
+        assert got in msg and msg.endswith("valid: 1, 2")
+    # Ulysses deals each rank heads / (degree x TP): 32 heads over 16 x TP4 do not divide
+    wide = TrainParallel(tp=4, cp=16, ep=8, etp=1, sequence_parallel=True, cp_algo="ulysses_cp_algo")
+    msg = rules(Q30, make(wide, nnodes=8))["train.cp_ulysses_heads"]
+    assert "num_attention_heads (32) must be divisible by context_parallel_size x tensor_model_parallel_size = 16*4" in msg
+    assert msg.endswith("with TP=4 valid context_parallel_size: 2, 4, 8")
+    ring3 = TrainParallel(cp=6, ep=2, etp=1, cp_algo="hybrid_cp_algo", ulysses_degree_in_cp=3)
+    msg = rules(Q30, make(ring3, devices=6), seq_len=4092)["train.cp_ulysses_heads"]
+    assert msg.endswith("with TP=1 valid ulysses_degree_in_cp: 2")
+    # 6 key/value heads cannot be split evenly over 4 Ulysses ranks (nor repeated: 4 is not above 6)
+    six_kv = replace(Q30, num_attention_heads=24, num_query_groups=6)
+    found = rules(six_kv, make(TrainParallel(cp=4, ep=8, etp=1, cp_algo="ulysses_cp_algo")))
+    assert set(found) == {"train.cp_ulysses_kv_heads"}
+    assert "the 6 key/value heads per TP rank must be divisible by context_parallel_size=4" in found["train.cp_ulysses_kv_heads"]
 
 
 def test_recompute_rules():

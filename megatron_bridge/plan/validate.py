@@ -89,12 +89,6 @@ def sequence_parallel(c: Context):
             f"tensor_model_parallel_size={t.tp} on an MoE model needs sequence_parallel: true "
             "(megatron-core refuses to train MoE with TP > 1 without it)",
         )
-    if t.sequence_parallel and t.tp > 1 and (c.seq_len // t.cp) % t.tp:
-        yield Violation(
-            "train.sp_seq_divisible",
-            f"sequence parallel splits each sequence over TP: seq_len/CP ({c.seq_len}/{t.cp}) must be "
-            f"divisible by tensor_model_parallel_size={t.tp}; pad sequences to a multiple of {t.tp * t.cp}",
-        )
 
 
 # ---- training: world size ------------------------------------------------------------------
@@ -269,22 +263,114 @@ def interleaved_last_stage(c: Context):
     )
 
 
-# ---- training: context parallel, recompute -------------------------------------------------
+# ---- training: sequence split, context parallel, recompute -----------------------------------
+
+
+@rule
+def sequence_split(c: Context):
+    t = c.layout.train
+    multiple = t.seq_multiple
+    if c.seq_len % multiple == 0:
+        return
+    # megatron-core 0.12.1: utils.py get_batch_on_this_cp_rank views each sequence as 2*CP chunks,
+    # rank r keeping chunks r and 2CP-1-r (rotary positions likewise: rope_utils.py
+    # get_pos_emb_on_this_cp_rank); sequence parallel scatters each rank's seq_len/CP over TP
+    # (tensor_parallel/mappings.py: "First dimension of the tensor should be divisible by tensor
+    # parallel size"). MindSpeed's algorithms: TrainParallel.seq_multiple.
+    why = []
+    if t.cp > 1 and t.cp_algo == "megatron_cp_algo":
+        why.append(f"context parallel cuts each sequence into 2*CP = {2 * t.cp} chunks (CP rank r holds chunks r "
+                   f"and {2 * t.cp - 1}-r)")
+    elif t.cp > 1 and t.cp_algo == "hybrid_cp_algo":
+        why.append(f"hybrid_cp_algo needs 2*CP = {2 * t.cp} (MindSpeed's check: each ring rank holds two of 2 x ring "
+                   "degree chunks, cut again over its Ulysses ranks)")
+    elif t.cp > 1:
+        why.append(f"{t.cp_algo} cuts each sequence into CP = {t.cp} contiguous slices")
+    if t.sequence_parallel and t.tp > 1:
+        why.append(f"sequence parallel splits each rank's seq_len/CP over tensor_model_parallel_size={t.tp}")
+    padded = -(-c.seq_len // multiple) * multiple
+    yield Violation(
+        "train.seq_len_divisible",
+        f"seq_len={c.seq_len} must be a multiple of {multiple}: " + "; ".join(why)
+        + f"; pad sequences to a multiple of {multiple} (e.g. {padded})",
+    )
 
 
 @rule
 def context_parallel(c: Context):
-    t = c.layout.train
-    if t.cp > 1:
-        # megatron would build CP process groups, but nothing in the actor splits a sequence over them,
-        # gathers its log-probs or sums a sequence's ratio across them: every CP rank would attend over
-        # whole sequences and train on wrong numbers.
+    s, t, device = c.spec, c.layout.train, c.layout.cluster.device
+    if t.cp > 1 and not t.flash_attn:
+        # megatron-core 0.12.1 transformer/dot_product_attention.py DotProductAttention.__init__:
+        # assert self.config.context_parallel_size == 1, "Context parallelism is only supported by
+        # TEDotProductAttention!"; MindSpeed's CP algorithms are its flash attention (their
+        # validate_args set use_flash_attn = True).
         yield Violation(
-            "train.cp_no_data_path",
-            f"context_parallel_size={t.cp}: the actor has no context-parallel data path yet (sequences are not "
-            "split over CP ranks, nor their log-probs gathered), so CP > 1 would train on wrong numbers; use "
-            "context_parallel_size=1 (long sequences fit with the fused attention, chunked log-probs and "
-            "recompute_granularity=full: python -m megatron_bridge.plan check --seq-len shows the longest that fits)",
+            "train.cp_needs_flash_attn",
+            f"context_parallel_size={t.cp} with use_flash_attn=false: megatron-core 0.12.1's DotProductAttention "
+            "asserts context_parallel_size == 1 ('Context parallelism is only supported by TEDotProductAttention!'); "
+            "context-parallel attention is the fused one: set use_flash_attn: true",
+        )
+    if t.cp_algo != "megatron_cp_algo" and device != "npu":
+        yield Violation(
+            "train.cp_algo_needs_npu",
+            f"context_parallel_algo={t.cp_algo} is MindSpeed's, on the NPU only; on {device} the context-parallel "
+            "attention is the package's own (each CP rank holds megatron's load-balanced chunks r and 2CP-1-r, "
+            "keys and values all-gathered over CP): set context_parallel_algo: megatron_cp_algo",
+        )
+    elif t.cp_algo in ("adaptive_cp_algo", "hybrid_adaptive_cp_algo"):
+        # MindSpeed core/context_parallel/get_batch_utils.py: these take each rank's tokens from an
+        # order computed from the attention mask (remapped_seq_order) in megatron.training's
+        # get_batch_on_this_cp_rank, a data path this package does not use.
+        yield Violation(
+            "train.cp_algo_unsupported",
+            f"context_parallel_algo={t.cp_algo}: MindSpeed's adaptive algorithms choose each CP rank's tokens from "
+            "the attention mask inside megatron.training's data loader, which the actor does not use; choose "
+            "megatron_cp_algo (ring), ulysses_cp_algo or hybrid_cp_algo",
+        )
+    if t.ulysses_degree_in_cp is not None and t.cp_algo != "hybrid_cp_algo":
+        yield Violation(
+            "train.ulysses_degree_needs_hybrid",
+            f"ulysses_degree_in_cp={t.ulysses_degree_in_cp} is read by context_parallel_algo=hybrid_cp_algo only "
+            f"(here {t.cp_algo}); remove it, or set context_parallel_algo: hybrid_cp_algo",
+        )
+    if t.cp == 1 or device != "npu":
+        return
+    ulysses = {"ulysses_cp_algo": t.cp, "hybrid_cp_algo": t.ulysses_degree_in_cp}.get(t.cp_algo)
+    if t.cp_algo == "hybrid_cp_algo":
+        # MindSpeed features_manager/context_parallel/context_parallel_feature.py validate_args (which
+        # repatch does not run: checked here): ring degree CP / ulysses_degree_in_cp > 1, no remainder.
+        valid = _choices(u for u in divisors(t.cp) if t.cp // u > 1)
+        if ulysses is None or t.cp % ulysses or t.cp // ulysses < 2:
+            got = "ulysses_degree_in_cp is not set" if ulysses is None else f"ulysses_degree_in_cp={ulysses}"
+            yield Violation(
+                "train.cp_hybrid_ulysses_degree",
+                f"context_parallel_algo=hybrid_cp_algo with context_parallel_size={t.cp}: {got}; "
+                f"it must divide CP and leave a ring of at least 2 (CP / it >= 2); valid: {valid}",
+            )
+            return
+    if ulysses is None:
+        return
+    # Ulysses exchanges heads for sequence (all-to-all over its ranks): MindSpeed's validate_args
+    # (ulysses_context_parallel.py, context_parallel_feature.py) need the attention heads divisible
+    # by the Ulysses degree x TP; UlyssesContextAttention.forward (core/context_parallel/
+    # ulysses_context_parallel/ulysses_context_parallel.py) repeats the key/value heads up to the
+    # query heads only when the degree exceeds them, otherwise splits them over its ranks.
+    hybrid = t.cp_algo == "hybrid_cp_algo"
+    name = "ulysses_degree_in_cp" if hybrid else "context_parallel_size"
+    if s.num_attention_heads % (ulysses * t.tp):
+        fits = [u for u in divisors(s.num_attention_heads // t.tp) if u > 1 and (not hybrid or t.cp % u == 0 and u < t.cp)]
+        yield Violation(
+            "train.cp_ulysses_heads",
+            f"{t.cp_algo}: num_attention_heads ({s.num_attention_heads}) must be divisible by {name} x "
+            f"tensor_model_parallel_size = {ulysses}*{t.tp} (Ulysses gives each rank heads/({name}*TP)); with "
+            f"TP={t.tp} valid {name}: {_choices(fits)}",
+        )
+    kv = s.num_query_groups // t.tp
+    if ulysses <= kv and kv % ulysses:
+        yield Violation(
+            "train.cp_ulysses_kv_heads",
+            f"{t.cp_algo}: the {kv} key/value heads per TP rank must be divisible by {name}={ulysses}, or fewer than "
+            "it (MindSpeed then repeats them to the query heads); otherwise Ulysses splits them unevenly",
         )
 
 
