@@ -108,7 +108,7 @@ def test_logits_are_held_once_in_bf16_beside_one_float32_chunk():
 def test_longest_sequence_is_the_last_length_whose_training_fits():
     layout = load_layout("qwen3_30b_a3b_2x8_a2").with_cluster(device_memory_gb=64)
     longest = memory.longest_sequence(Q30, layout)
-    assert longest % layout.train.tp == 0
+    assert longest % layout.train.tp == 0 and layout.train.seq_multiple == layout.train.tp
     assert memory.estimate(Q30, layout, longest).train_fits
     assert not memory.estimate(Q30, layout, longest + layout.train.tp).train_fits
     # megatron's attention keeps every head's s x s probabilities: far shorter sequences fit
@@ -117,6 +117,30 @@ def test_longest_sequence_is_the_last_length_whose_training_fits():
     assert memory.longest_sequence(Q30, layout.with_cluster(device_memory_gb=1)) == 0
     unknown = replace(layout, cluster=replace(layout.cluster, device_memory_gb=None))
     assert memory.longest_sequence(Q30, unknown) is None
+
+
+def test_context_parallel_divides_every_per_token_term_and_holds_longer_sequences():
+    t = TrainParallel(tp=2, pp=2, ep=8, etp=1, sequence_parallel=True)
+    cp2 = replace(t, cp=2)
+    # a CP rank holds seq_len/CP tokens: activations (the fused kernel's log-sum-exp included) and the
+    # logits of 2s tokens under CP2 are those of s tokens under CP1
+    assert memory.activation_bytes_per_layer(Q30, cp2, 8192) == memory.activation_bytes_per_layer(Q30, t, 4096)
+    assert memory.logits_memory(Q30, cp2, 8192) == memory.logits_memory(Q30, t, 4096)
+    # off the NPU the keys and values of the other CP rank are gathered and kept: bf16, kv_dim / TP each
+    gathered = memory.activation_bytes_per_layer(Q30, cp2, 8192, gathered_kv=True)
+    assert gathered - memory.activation_bytes_per_layer(Q30, cp2, 8192) == 4096 * 2 * 2 * Q30.kv_dim // 2
+
+    npu = load_layout("qwen3_30b_a3b_2x8_a2").with_cluster(device_memory_gb=64)
+    with_cp = replace(npu, train=replace(npu.train, cp=2))  # same 16 devices: DP*CP, so the states, unchanged
+    one, two = memory.longest_sequence(Q30, npu), memory.longest_sequence(Q30, with_cp)
+    # everything that grows with the sequence is per CP rank on the NPU: twice the tokens fit
+    assert two == 2 * one and two % with_cp.train.seq_multiple == 0 == two % 4
+    assert not memory.estimate(Q30, with_cp, two + 4).train_fits
+    cuda = replace(with_cp, cluster=replace(with_cp.cluster, device="cuda", npu_kind=None))
+    gathered = memory.longest_sequence(Q30, cuda)
+    assert one < gathered < two and gathered % 4 == 0
+    four = replace(npu, train=replace(npu.train, cp=4))
+    assert memory.longest_sequence(Q30, four) % 8 == 0 and memory.longest_sequence(Q30, four) > two
 
 
 def test_mc2_for_the_seed_layout_on_a2():

@@ -216,23 +216,28 @@ def checkpoint_bytes(spec: ModelSpec, world_size: int, weight_bytes: int = PARAM
 # ---- estimates -----------------------------------------------------------------------------
 
 
-def activation_bytes_per_layer(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_size: int = 1) -> int:
+def activation_bytes_per_layer(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_size: int = 1,
+                               gathered_kv: bool = False) -> int:
     """ESTIMATE of what one layer keeps for backward for one micro-batch of ``micro_batch_size``
     sequences of ``seq_len`` tokens, bf16, sequence parallel: each rank holds tokens/(TP*CP) of the
     sequence. Attention: ln input, qkv input, q/k/v, core output, proj input; besides, the fused
-    kernel keeps one fp32 log-sum-exp per head and token, megatron's DotProductAttention
-    (``use_flash_attn=false``) 6 bytes a score of every head's [s, s]: the fp32 softmax (autograd's,
-    for its backward; ``attention_softmax_in_fp32``) and its bf16 copy (the PV product's). MoE: ln input, router
-    input, fp32 router logits, and per routed copy (top-k) the permuted input, fc1 output (2I/ETP),
-    activation (I/ETP) and fc2 output."""
+    kernel keeps one fp32 log-sum-exp per head and local query token (seq_len/CP of them), megatron's
+    DotProductAttention (``use_flash_attn=false``, never with CP) 6 bytes a score of every head's
+    [s, s]: the fp32 softmax (autograd's, for its backward; ``attention_softmax_in_fp32``) and its
+    bf16 copy (the PV product's). ``gathered_kv``: the context-parallel attention off the NPU
+    all-gathers K and V over the CP ranks and the fused kernel keeps its inputs, the whole
+    sequence's K and V instead of the local ones (MindSpeed's ring on the NPU passes the local ones
+    round). MoE: ln input, router input, fp32 router logits, and per routed copy (top-k) the
+    permuted input, fc1 output (2I/ETP), activation (I/ETP) and fc2 output."""
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.moe_ffn_hidden_size // t.expert_tp
     tokens = seq_len * micro_batch_size
     local = tokens / (t.tp * t.cp)
     heads = spec.num_attention_heads / t.tp
     attention = 2 * (2 * h + 3 * q + 2 * kv)
     moe = 2 * (2 * h + spec.moe_topk * (2 * h + 3 * i)) + 4 * spec.num_experts
-    core = tokens * heads * 4 if t.flash_attn else micro_batch_size * heads * seq_len**2 * 6
-    return int(local * (attention + moe) + core)
+    core = tokens / t.cp * heads * 4 if t.flash_attn else micro_batch_size * heads * seq_len**2 * 6
+    gathered = local * (t.cp - 1) * 2 * 2 * kv if gathered_kv else 0  # the other CP ranks' K and V, bf16
+    return int(local * (attention + moe) + core + gathered)
 
 
 def attention_working_bytes(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_size: int = 1) -> int:
@@ -253,10 +258,11 @@ def in_flight_microbatches(t: TrainParallel) -> float:
     return float(t.pp)
 
 
-def activation_memory(spec: ModelSpec, t: TrainParallel, layers: int, seq_len: int, micro_batch_size: int = 1) -> int:
+def activation_memory(spec: ModelSpec, t: TrainParallel, layers: int, seq_len: int, micro_batch_size: int = 1,
+                      gathered_kv: bool = False) -> int:
     """ESTIMATE of the peak activations of a stage with ``layers`` layers: what the micro-batches in
     flight keep, and one layer's attention at work."""
-    per_layer = activation_bytes_per_layer(spec, t, seq_len, micro_batch_size)
+    per_layer = activation_bytes_per_layer(spec, t, seq_len, micro_batch_size, gathered_kv)
     working = attention_working_bytes(spec, t, seq_len, micro_batch_size)
     if t.recompute_granularity == "full":
         # Only each layer's input is kept; one recompute group is rebuilt at a time in backward.
@@ -296,15 +302,16 @@ def logits_memory(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_s
 
 def longest_sequence(spec: ModelSpec, layout: Layout, micro_batch_size: int = 1, reference: bool = False,
                      packed: bool = True, log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS) -> int | None:
-    """The longest sequence (tokens, a multiple of TP) whose training peak fits the device
-    (``estimate``); 0 when none does, None when the device memory is not known."""
+    """The longest sequence whose training peak fits the device (``estimate``), in tokens, a length
+    the layout can split (a multiple of ``TrainParallel.seq_multiple``: lcm(2*CP, CP*TP) with CP and
+    sequence parallel); 0 when none does, None when the device memory is not known."""
     if not layout.cluster.device_memory_gb:
         return None
 
     def fits(seq_len: int) -> bool:
         return estimate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size).train_fits
 
-    step = layout.train.tp
+    step = layout.train.seq_multiple
     if not fits(step):
         return 0
     low, high = 1, 2  # in steps: fits(low * step), and find a high that does not
@@ -409,10 +416,11 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
     tokens = seq_len * micro_batch_size
     device = int(cl.device_memory_gb * GIB) if cl.device_memory_gb else None
     chunks = layers_per_chunk(spec.num_layers, t)
+    gathered_kv = t.cp > 1 and cl.device != "npu"  # the package's CP attention all-gathers K and V
     reports = []
     for pp_rank in range(t.pp):
         static = static_memory(spec, layout, pp_rank)
-        acts = activation_memory(spec, t, sum(chunks[pp_rank]), seq_len, micro_batch_size)
+        acts = activation_memory(spec, t, sum(chunks[pp_rank]), seq_len, micro_batch_size, gathered_kv)
         routing = routing_memory(spec, t, sum(chunks[pp_rank]), tokens)
         logits = logits_memory(spec, t, seq_len, micro_batch_size, packed, log_prob_chunk_size) if pp_rank == t.pp - 1 else 0
         ref = static.weights if reference else 0
