@@ -116,6 +116,18 @@ def test_context_parallel_size_is_passed_as_verl_passes_it():
     assert mindspeed.feature_args(_train())["context_parallel_size"] == 1  # what MindSpeed reads as unset
 
 
+def test_the_context_parallel_algorithm_is_always_written():
+    # megatron_cp_algo and no Ulysses degree are MindSpeed's own defaults: a second repatch in the same
+    # process puts back a first one's hybrid algorithm
+    plain = mindspeed.feature_args(_train(cp=2))
+    assert (plain["context_parallel_algo"], plain["ulysses_degree_in_cp"]) == ("megatron_cp_algo", None)
+    hybrid = mindspeed.feature_args(_train(cp=4, cp_algo="hybrid_cp_algo", ulysses_degree_in_cp=2))
+    assert (hybrid["context_parallel_algo"], hybrid["ulysses_degree_in_cp"]) == ("hybrid_cp_algo", 2)
+    assert set(hybrid) == set(plain) and {"context_parallel_algo", "ulysses_degree_in_cp"} <= mindspeed.PARSER_OPTIONS
+    with pytest.raises(ConfigError, match="context-parallel attention \\(ulysses_cp_algo\\).*use_flash_attn=true"):
+        mindspeed.feature_args(_train(cp=2, cp_algo="ulysses_cp_algo", flash_attn=False))
+
+
 def test_fused_rope_comes_with_the_position_embedding_type_its_check_reads():
     args = mindspeed.feature_args(_train(), fused_elementwise=True)
     assert args["use_fused_rotary_pos_emb"] and args["position_embedding_type"] == "rope"

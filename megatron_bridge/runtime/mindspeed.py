@@ -30,6 +30,14 @@ parser options (``MindSpeedFeaturesManager.register_features_args``; defaults in
   optimization_level [2]                                features_manager/megatron_basic/requirements_basic.py
   pre_tockens [65536], next_tockens [0], sparse_mode [0] features_manager/transformer/flash_attention/
                                                         fusion_attention_v1_feature.py
+  context_parallel_algo [megatron_cp_algo]; choices megatron_cp_algo, hybrid_cp_algo,
+    hybrid_adaptive_cp_algo                             features_manager/context_parallel/context_parallel_feature.py
+    + ulysses_cp_algo                                   features_manager/context_parallel/ulysses_context_parallel.py
+    + adaptive_cp_algo                                  features_manager/context_parallel/adaptive_context_parallel.py
+  ulysses_degree_in_cp [None]                           features_manager/context_parallel/ulysses_context_parallel.py
+  (not written here, left at their defaults: cp_window_size [1], attention_mask_type [causal],
+  use_cp_send_recv_overlap, use_fused_ring_attention_update, megatron_cp_in_bnsd [False]:
+  context_parallel_feature.py; context_parallel_kv_cache_policy [None]: context_parallel_kv_cache.py)
 feature names that are no parser option (read with ``getattr(args, name, None)``; set only by
 ``repatch`` or by a matching flag on the command line)
   use_flash_attn          FusionAttentionFeature, fusion_attention_v1_feature.py: patches
@@ -43,6 +51,28 @@ feature names that are no parser option (read with ``getattr(args, name, None)``
   position_embedding_type AlibiFeature (applies for 'alibi' only); read by FusedRoPEFeature.validate_args
   reset_attention_mask    ResetAttentionMaskFeature (never set here: it replaces GPTModel.forward's
                           packed_seq_params with MindSpeed's own data loader's)
+
+Context parallelism (``context_parallel_size`` > 1): ContextParallelFeature.register_patches puts
+``MindSpeedCPDotProductAttention`` (core/context_parallel/adaptor.py, dot_product_attention.py) in
+place of megatron's attention, wraps ``initialize_model_parallel`` (the hybrid algorithm's Ulysses
+and ring groups: core/context_parallel/model_parallel_utils.py) and megatron's
+``get_pos_emb_on_this_cp_rank`` (core/context_parallel/rotary_pos_embedding_utils.py, the rotary
+positions of each rank's tokens). Splitting the batch is the caller's: MindSpeed's own
+``get_batch_on_this_cp_rank`` (core/context_parallel/get_batch_utils.py) replaces only
+``megatron.training``'s. What each algorithm expects a CP rank to hold of a sequence of length s
+(causal mask, ``attention_mask_type`` causal), as that function and the RoPE one cut it:
+
+  megatron_cp_algo  megatron's load-balanced split: s as 2*CP chunks, rank r holds chunks r and
+                    2CP-1-r, in that order (the ring attention views its tokens as [2, s/(2CP)])
+  ulysses_cp_algo   one contiguous slice: tokens [r*s/CP, (r+1)*s/CP)
+  hybrid_cp_algo    with U = ulysses_degree_in_cp and R = CP/U, ring rank r_r = r // U and Ulysses
+                    rank r_u = r % U: s as 2R chunks, chunks r_r and 2R-1-r_r concatenated, then
+                    part r_u of U contiguous parts of those s/R tokens
+  adaptive_cp_algo, hybrid_adaptive_cp_algo: an order computed from the attention mask
+                    (remapped_seq_order), refused by the planner
+
+MindSpeed checks the algorithms' needs in the features' ``validate_args``, which ``repatch`` does
+not run: the planner's rules check them (megatron_bridge/plan/validate.py).
 """
 
 from __future__ import annotations
@@ -62,7 +92,7 @@ BRANCH = "2.2.0_core_r0.12.1"
 # The names this module writes, each a name MindSpeed 2.2.0_core_r0.12.1 reads (see the docstring).
 PARSER_OPTIONS = frozenset({
     "use_fused_rmsnorm", "use_fused_swiglu", "use_fused_rotary_pos_emb",
-    "use_fused_moe_token_permute_and_unpermute",
+    "use_fused_moe_token_permute_and_unpermute", "context_parallel_algo", "ulysses_degree_in_cp",
 })
 FEATURE_NAMES = frozenset({
     "use_flash_attn", "no_create_attention_mask_in_dataloader", "moe_grouped_gemm", "moe_permute_fusion",
@@ -78,8 +108,9 @@ _applied: dict[str, Any] | None = None  # what apply() last handed to repatch in
 def feature_args(train: TrainParallel, packed: bool = False, *, dispatcher: str = "alltoall",
                  fused_elementwise: bool = True) -> dict[str, Any]:
     """MindSpeed's arguments for ``train``'s switches (``flash_attn``, ``grouped_gemm``,
-    ``permute_fusion``, ``cp``), micro-batches packed (``thd``) or padded, the MoE ``dispatcher`` and
-    the fused RMSNorm / RoPE / SwiGLU kernels (``fused_elementwise``, MindSpeed-RL's Qwen3-MoE set).
+    ``permute_fusion``, ``cp``, ``cp_algo``, ``ulysses_degree_in_cp``), micro-batches packed (``thd``)
+    or padded, the MoE ``dispatcher`` and the fused RMSNorm / RoPE / SwiGLU kernels
+    (``fused_elementwise``, MindSpeed-RL's Qwen3-MoE set).
 
     Every key is always present: ``repatch`` only sets the keys it is given, so a second call in the
     same process must say false to what an earlier one switched on."""
@@ -94,8 +125,8 @@ def feature_args(train: TrainParallel, packed: bool = False, *, dispatcher: str 
             "allgather (features_manager/fusions/fused_moe_permute.py): set moe_permute_fusion=false")
     if train.cp > 1 and not train.flash_attn:
         raise ConfigError(
-            f"context_parallel_size={train.cp} runs MindSpeed's ring attention, which is flash attention "
-            "(MindSpeed switches use_flash_attn on for it): set use_flash_attn=true")
+            f"context_parallel_size={train.cp} runs MindSpeed's context-parallel attention ({train.cp_algo}), "
+            "which is flash attention (MindSpeed switches use_flash_attn on for it): set use_flash_attn=true")
     if train.cp > 1 and packed:
         raise ConfigError(
             f"context_parallel_size={train.cp} with packed micro-batches is not supported on the NPU here "
@@ -126,6 +157,11 @@ def feature_args(train: TrainParallel, packed: bool = False, *, dispatcher: str 
         "position_embedding_type": "rope",
         # verl's MindspeedEngineWithLMHead passes it when CP > 1; every feature reads 1 as unset
         "context_parallel_size": train.cp,
+        # how the CP ranks attend (and so how the actor splits each sequence: the module's docstring);
+        # read from every TransformerConfig (MindSpeed copies its arguments onto it) and, for the
+        # hybrid algorithm's groups, by initialize_model_parallel's wrapper
+        "context_parallel_algo": train.cp_algo,
+        "ulysses_degree_in_cp": train.ulysses_degree_in_cp,
     }
 
 
