@@ -81,6 +81,32 @@ def test_a_verl_megatron_gspo_script_loads_onto_the_recipe():
     assert "moe_permute_fusion" not in ignored and layout.train.permute_fusion
 
 
+def test_mindspeeds_context_parallel_algo_reaches_the_layout_as_verl_hands_it_to_mindspeed():
+    # verl's megatron workers pass override_transformer_config to mindspeed.megatron_adaptor.repatch as it
+    # is, so MindSpeed's context_parallel_algo is written there
+    cfg = load_config(BIG, VERL_GSPO_NPU + [
+        "reward_model.overlong_buffer.enable=false", "actor_rollout_ref.actor.megatron.context_parallel_size=4",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo=hybrid_cp_algo",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.ulysses_degree_in_cp=2"])
+    train = cfg.layout.train
+    assert (train.cp, train.cp_algo, train.ulysses_degree_in_cp) == (4, "hybrid_cp_algo", 2)
+    assert not any("context_parallel_algo" in i or "ulysses_degree_in_cp" in i for i in cfg.ignored)
+    # the planner checks it as MindSpeed would (a ring of CP / 4 = 1 is none)
+    with pytest.raises(ConfigError, match=r"\[train.cp_hybrid_ulysses_degree\].*ulysses_degree_in_cp=4.*valid: 1, 2"):
+        load_config(BIG, VERL_GSPO_NPU + [
+            "reward_model.overlong_buffer.enable=false", "actor_rollout_ref.actor.megatron.context_parallel_size=4",
+            "+actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo=hybrid_cp_algo",
+            "+actor_rollout_ref.actor.megatron.override_transformer_config.ulysses_degree_in_cp=4"])
+    # off the NPU the package's own CP attention runs: MindSpeed's algorithms are refused naming the fix
+    with pytest.raises(ConfigError, match=r"\[train.cp_algo_needs_npu\].*set context_parallel_algo: megatron_cp_algo"):
+        load_config(TINY, ["actor_rollout_ref.actor.megatron.context_parallel_size=2",
+                           "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+                           "+actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo=ulysses_cp_algo"])
+    # verl's Ulysses key (its FSDP engine's) names both Megatron counterparts
+    with pytest.raises(ConfigError, match="context_parallel_size here .*context_parallel_algo=ulysses_cp_algo"):
+        load_config(TINY, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+
+
 def _with(args: list[str], changes: dict[str, str], drop: tuple[str, ...] = ()) -> list[str]:
     keys = [a.split("=", 1)[0].lstrip("+") for a in args]
     assert set(changes) <= set(keys) and set(drop) <= set(keys)

@@ -89,7 +89,8 @@ ONLY: dict[str, tuple[tuple, str]] = {
     f"{ROLLOUT}.log_prob_micro_batch_size": ((None,), "set rollout.log_prob_micro_batch_size_per_gpu"),
     f"{REF}.log_prob_micro_batch_size": ((None,), "set ref.log_prob_micro_batch_size_per_gpu"),
     f"{ACTOR}.ulysses_sequence_parallel_size": ((1,), "sequence parallelism over a long context is "
-                                                      "actor_rollout_ref.actor.megatron.context_parallel_size here"),
+                                                      "actor_rollout_ref.actor.megatron.context_parallel_size here "
+                                                      f"(Ulysses on the NPU: {OTC}.context_parallel_algo=ulysses_cp_algo)"),
     f"{REF}.ulysses_sequence_parallel_size": ((1,), "the reference model follows the actor's context_parallel_size"),
     "trainer.critic_warmup": ((0,), "GRPO and GSPO have no critic"),
     f"{ACTOR}.megatron.router_replay.record_file": ((None,), "routing is recorded per step in memory"),
