@@ -69,13 +69,14 @@ def test_each_rank_holds_the_load_balanced_chunks():
     # every position held exactly once
     everyone = torch.cat([context_parallel.held(24, cp=3, rank=r) for r in range(3)])
     assert sorted(everyone.tolist()) == list(range(24))
-    with pytest.raises(ValueError, match="2 x CP = 4 equal chunks"):
+    with pytest.raises(ValueError, match="does not split into 4 equal chunks for CP = 2"):
         context_parallel.held(10, cp=2, rank=0)
 
 
-def test_sequences_pad_to_what_cp_and_sequence_parallel_split():
-    assert context_parallel.multiple(1, 1) == 1 and context_parallel.multiple(1, 4) == 4
-    assert context_parallel.multiple(2, 1) == 4  # 2 x CP chunks
-    assert context_parallel.multiple(2, 2) == 4  # each rank's 1/CP share (2) divides by TP 2
-    assert context_parallel.multiple(2, 4) == 8
-    assert context_parallel.multiple(4, 2) == 8
+def test_mindspeeds_ulysses_and_hybrid_splits():
+    # Ulysses: one contiguous 1/CP slice each
+    assert [context_parallel.held(8, cp=2, rank=r, ulysses=2).tolist() for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # hybrid, CP 4 with a Ulysses degree of 2: two ring ranks hold the load-balanced halves (chunks 0
+    # and 3, chunks 1 and 2), each cut in two contiguous parts
+    assert [context_parallel.held(16, cp=4, rank=r, ulysses=2).tolist() for r in range(4)] == [
+        [0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]

@@ -173,7 +173,7 @@ class MegatronActor:
     def micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
                        max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
         """The batch's rows as micro-batches, each padded to one length rounded up to a multiple of
-        TP (sequence parallel splits it; with context parallel, of ``context_parallel.multiple``):
+        TP (sequence parallel splits it; with context parallel, of ``TrainParallel.seq_multiple``):
         ``micro_batch_size`` rows each, all padded to the
         longest sequence; or, with a token budget ``max_tokens``, rows of similar length together,
         each micro-batch padded to its own longest (``token_budget_runs``). Every rank cuts alike
@@ -186,7 +186,7 @@ class MegatronActor:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         ends = response_ends(batch)
         lengths_of_rows = self._packed_sizes(ends) if self.packs else ends.clamp(min=1)
-        multiple = context_parallel.multiple(self.train.cp, self.train.tp)
+        multiple = self.train.seq_multiple
         if max_tokens is None:
             length = lengths_of_rows.max().reshape(1)
             torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
@@ -222,7 +222,7 @@ class MegatronActor:
         torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.MAX)
         if self.train.pp > 1 and not self.config.variable_seq_lengths:
             totals = totals.max().expand_as(totals)
-        multiple = context_parallel.multiple(self.train.cp, self.train.tp)
+        multiple = self.train.seq_multiple
         return [_packed(batch, rows, math.ceil(int(total) / multiple) * multiple, ends, sizes[rows])
                 for rows, total in zip(groups, totals)]
 
@@ -239,7 +239,8 @@ class MegatronActor:
             mb = next(data_iterator)
             input_ids, positions = mb[INPUT_IDS], mb[POSITION_IDS]
             if self.train.cp > 1:  # the model sees this rank's positions; the loss reads labels from the whole rows
-                held = context_parallel.held(input_ids.shape[1], mb.get(CU_SEQLENS), device=input_ids.device)
+                held = context_parallel.held(input_ids.shape[1], mb.get(CU_SEQLENS), device=input_ids.device,
+                                             ulysses=context_parallel.ulysses_degree(self.train))
                 mb = {**mb, HELD_POSITIONS: held}
                 input_ids, positions = input_ids[:, held], positions[:, held]
             with self.forward_context(mb, mb[INPUT_IDS].shape[1]):

@@ -21,10 +21,10 @@ shifted before the split, never after. Two collectives carry everything else:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
+
+from megatron_bridge.plan.layout import TrainParallel
 
 
 def cp_size_rank() -> tuple[int, int]:
@@ -33,35 +33,44 @@ def cp_size_rank() -> tuple[int, int]:
     return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
 
 
-def multiple(cp: int, tp: int) -> int:
-    """What a micro-batch's (packed) sequence is padded to a multiple of: TP (sequence parallel
-    splits it; megatron-core needs it on for MoE with TP > 1) and, with CP, 2 x CP for the
-    load-balanced split, each rank's 1/CP share still a multiple of TP."""
-    return tp if cp == 1 else math.lcm(2 * cp, cp * tp)
+def ulysses_degree(train: TrainParallel) -> int:
+    """How many of the CP ranks split each ring rank's share contiguously (MindSpeed's algorithms,
+    ``megatron_bridge.runtime.mindspeed``): 1 for megatron's ring (and this package's all-gather),
+    CP for Ulysses, ``ulysses_degree_in_cp`` for the hybrid."""
+    if train.cp_algo == "ulysses_cp_algo":
+        return train.cp
+    if train.cp_algo == "hybrid_cp_algo":
+        return train.ulysses_degree_in_cp or 1
+    return 1
 
 
 def held(seq_len: int, cu_seqlens: torch.Tensor | None = None, cp: int | None = None,
-         rank: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+         rank: int | None = None, device: torch.device | None = None, ulysses: int = 1) -> torch.Tensor:
     """[seq_len / CP] long: the positions on the (packed) sequence axis that CP rank ``rank`` holds,
     in the order it holds them (default: this rank of megatron's CP group). ``cu_seqlens``: the
-    boundaries of a packed sequence's parts, each a multiple of 2 x CP long; each part is split
-    on its own."""
+    boundaries of a packed sequence's parts, each split on its own. ``ulysses`` (``ulysses_degree``):
+    MindSpeed's split, the load-balanced one over CP / ``ulysses`` ring ranks (rank // ulysses),
+    each ring rank's share then cut in ``ulysses`` contiguous parts (rank % ulysses)."""
     if cp is None or rank is None:
         cp, rank = cp_size_rank()
     if device is None:
         device = cu_seqlens.device if cu_seqlens is not None else torch.device("cpu")
     if cp == 1:
         return torch.arange(seq_len, device=device)
+    ring, ring_rank, part = cp // ulysses, rank // ulysses, rank % ulysses
+    chunks = 2 * ring if ring > 1 else 1
+    mine = [ring_rank, chunks - 1 - ring_rank] if ring > 1 else [0]
     bounds = [0, seq_len] if cu_seqlens is None else [int(b) for b in cu_seqlens]
-    parts = []
+    pieces = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        if (end - start) % (2 * cp):
-            raise ValueError(f"context parallel: a sequence of {end - start} tokens does not split into 2 x CP = "
-                             f"{2 * cp} equal chunks (the actor pads every sequence to a multiple of {2 * cp})")
-        chunk = (end - start) // (2 * cp)
-        for index in (rank, 2 * cp - 1 - rank):
-            parts.append(torch.arange(start + index * chunk, start + (index + 1) * chunk, device=device))
-    return torch.cat(parts)
+        if (end - start) % (chunks * ulysses):
+            raise ValueError(f"context parallel: a sequence of {end - start} tokens does not split into "
+                             f"{chunks * ulysses} equal chunks for CP = {cp} (the actor pads every sequence to a "
+                             f"multiple of {chunks * ulysses})")
+        chunk = (end - start) // chunks
+        share = torch.cat([torch.arange(start + i * chunk, start + (i + 1) * chunk, device=device) for i in mine])
+        pieces.append(share.view(ulysses, -1)[part])
+    return torch.cat(pieces)
 
 
 def _group():
