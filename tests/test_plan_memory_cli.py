@@ -313,7 +313,7 @@ def test_rollout_pool_too_small_for_its_weights_is_named():
     from megatron_bridge.plan.verdict import memory_violations
 
     (violation,) = memory_violations(report)
-    assert violation.rule == "memory.rollout_pool_fits" and "56.9 GiB per device" in violation.message
+    assert violation.rule == "memory.rollout_pool_fits" and "56.87 GiB per device" in violation.message
 
 
 def _without_step(lines: list[str]) -> tuple[list[str], list[str]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_bridge.errors import ConfigError
+from recipe.config import load_config
 from tests.recipe_runs import TINY, metrics, run_main, train_in_process
 
 
@@ -69,14 +71,31 @@ def assert_learned(run, out, algo: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_long_preset_runs_with_worked_out_responses(tmp_path, local_ray):
+def test_the_long_preset_runs_with_worked_out_responses_and_alike_under_cp2(tmp_path, local_ray):
     """configs/recipe/tiny_long.yaml through the trainer for 3 steps: responses of tens of tokens, in
-    the format (its learning: tests/test_tiny_task.py and docs/recipe.md)."""
-    history = train_in_process(tmp_path, "long", ["trainer.total_training_steps=3"], "configs/recipe/tiny_long.yaml")
+    the format (its learning: tests/test_tiny_task.py and docs/recipe.md). Under context parallel 2
+    (each rank half of every sequence) it is the same run: the same rollouts and every metric within
+    rounding, step by step (measured: equal to 6 digits). A memory budget (trainer.device_memory_gb)
+    the planner says CP1 exceeds is refused at load with CP1 and runs with CP2."""
+    steps = ["trainer.total_training_steps=3"]
+    history = train_in_process(tmp_path, "long", steps, "configs/recipe/tiny_long.yaml")
     for step in (1, 2, 3):
         m = history[step]
         assert 40 < m["response_length/mean"] < 56 and m["response_length/clip_ratio"] < 0.1, m
         assert m["critic/score/max"] == 1.0 and -0.8 < m["critic/score/mean"] < 0.5, m  # signal from the start
+
+    budget = "trainer.device_memory_gb=0.01"  # planned training peak per rank: 12.4 MiB at CP1, 8.6 MiB at CP2
+    with pytest.raises(ConfigError, match=r"memory.train_fits.*12.35 MiB per device"):
+        load_config("configs/recipe/tiny_long.yaml", [budget])
+    cp2 = train_in_process(tmp_path, "long_cp2", steps + [budget, "actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+                           "configs/recipe/tiny_long.yaml")
+    for step in (1, 2, 3):
+        want, got = history[step], cp2[step]
+        for key in ("critic/score/mean", "response_length/mean", "critic/advantages/max"):
+            assert got[key] == want[key], (step, key)  # the same responses and rewards
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac",
+                    "training/rollout_probs_diff_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
 
 
 @pytest.mark.slow

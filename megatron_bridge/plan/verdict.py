@@ -31,14 +31,15 @@ class Verdict:
 
 def memory_violations(report: memory.MemoryReport) -> list[Violation]:
     out = []
-    gib = lambda b: f"{b / memory.GIB:.1f} GiB"  # noqa: E731
+    gib = gib_text  # MiB for a small figure
     if report.train_fits is False:
         out.append(Violation(
             "memory.train_fits",
             f"training needs about {gib(report.train_peak)} per device on pipeline stage {report.pp_rank} "
             f"(weights, grads, optimizer {gib(report.static.total)} exact; activations, logits and routing ids "
             f"{gib(report.activations + report.logits + report.routing)} estimated) but the device has {gib(report.device_bytes)}; "
-            "raise PP or EP, turn on full recompute, or use more devices",
+            "raise PP or EP, turn on full recompute, split the sequences over more context_parallel_size ranks, "
+            "or use more devices",
         ))
     if report.rollout_pool is not None and report.rollout_fits is False:
         out.append(Violation(
