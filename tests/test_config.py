@@ -450,3 +450,12 @@ def test_the_documented_one_gpu_commands_load():
         _, config, *overrides = shlex.split(command)
         cfg = load_config(config, overrides)
         assert (cfg.layout.cluster.device, cfg.layout.cluster.world_size, cfg.actor_rollout_ref.rollout.name) == ("cuda", 1, "hf")
+
+
+def test_npu_context_parallel_with_packing_is_refused_at_load():
+    cp2 = "actor_rollout_ref.actor.megatron.context_parallel_size=2"
+    with pytest.raises(ConfigError, match="context_parallel_size=2 with packed micro-batches has not run on an NPU.*"
+                                          "use_remove_padding=false"):
+        load_config(BIG, [cp2])
+    cfg = load_config(BIG, [cp2, "actor_rollout_ref.model.use_remove_padding=false"])
+    assert cfg.layout.train.cp == 2 and cfg.layout.train.seq_multiple == 4  # lcm(2 x CP, CP x TP) = lcm(4, 4) with SP

@@ -414,15 +414,17 @@ def _packed(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, en
 
 
 def _packed_seq_params(micro_batch: dict[str, torch.Tensor]):
-    """megatron's description of a packed micro-batch (``thd``), None for a padded one."""
+    """megatron's description of a packed micro-batch (``thd``), None for a padded one. Every row's
+    part is already padded (to a multiple of 2 x CP under context parallel), so the padded
+    boundaries that TE's and MindSpeed's CP attention split by are the boundaries themselves."""
     if CU_SEQLENS not in micro_batch:
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bounds = micro_batch[CU_SEQLENS]
     longest = int((bounds[1:] - bounds[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
+                           cu_seqlens_kv_padded=bounds, max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def _optimizers(optimizer) -> list:

@@ -129,10 +129,10 @@ def feature_args(train: TrainParallel, packed: bool = False, *, dispatcher: str 
             "which is flash attention (MindSpeed switches use_flash_attn on for it): set use_flash_attn=true")
     if train.cp > 1 and packed:
         raise ConfigError(
-            f"context_parallel_size={train.cp} with packed micro-batches is not supported on the NPU here: "
-            "MindSpeed's ring attention takes packed (TND) sequences only with PackedSeqParams.cu_seqlens_q_padded "
-            "(core/context_parallel/ring_context_parallel), which megatron-core 0.12.1's PackedSeqParams has not; "
-            "set actor_rollout_ref.model.use_remove_padding=false")
+            f"context_parallel_size={train.cp} with packed micro-batches has not run on an NPU: MindSpeed's ring "
+            "attention splits packed (TND) sequences by PackedSeqParams.cu_seqlens_q_padded, which the actor sets, "
+            "but its Ulysses and hybrid algorithms and the whole path are untested here; set "
+            "actor_rollout_ref.model.use_remove_padding=false")
     return {
         # verl's override_transformer_config names
         "use_flash_attn": train.flash_attn,

@@ -169,6 +169,13 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
         out.append("dynamic batch size with pipeline parallel needs megatron's variable sequence lengths, which the "
                    "CPU path's allgather MoE dispatcher does not support (megatron-core 0.12.1): on CPU use "
                    "pipeline_model_parallel_size=1 or use_dynamic_bsz=false")
+    if cfg.layout.cluster.device == "npu":  # MindSpeed's refusals, before anything starts (the actor repeats them)
+        from megatron_bridge.runtime import mindspeed
+
+        try:
+            mindspeed.feature_args(cfg.layout.train, arr.model.use_remove_padding)
+        except ConfigError as e:
+            out.append(str(e))
     rc = cfg.algorithm.rollout_correction
     if (rc.rollout_is is not None or rc.rollout_rs is not None) and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         out.append(f"algorithm.rollout_correction needs the rollout engine's log-probs: set "
