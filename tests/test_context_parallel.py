@@ -3,7 +3,7 @@ sequence, attends over the CP group's whole K/V, and scores the tokens it holds;
 are summed over CP before the loss. So one update under CP2 is the update under CP1 -- loss,
 gradient norm, every metric and the optimizer step -- within the rounding of its sums, for GSPO,
 GSPO-token and GRPO under every aggregation mode, with dynamic batch size, packed, and beside TP
-(sequence parallel) or EP on 4 ranks."""
+(sequence parallel), EP or PP on 4 ranks."""
 
 import pytest
 import torch
@@ -36,6 +36,8 @@ SPLITS = {  # name: (ranks, layout, micro-batch rows, token budget per CP group,
     "tp2_sp_cp2_tokens24": (4, {"tp": 2, "sequence_parallel": True, "cp": 2}, 1, 24, DEFAULTS),
     # EP2 over the CP ranks, DP2
     "ep2_cp2_tokens24": (4, {"ep": 2, "etp": 1, "cp": 2}, 1, 24, DEFAULTS),
+    # the pipeline sends each rank's 1/CP of the hidden states
+    "pp2_cp2_mb2": (4, {"pp": 2, "cp": 2}, 2, None, DEFAULTS),
 }
 
 
