@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput of the megatron actor per parallel layout, on CPU gloo ranks or on accelerators.
 
-    python bench/actor_throughput.py                                  # every layout, print tables
+    python bench/actor_throughput.py                                  # every layout but cp2/cp4, print tables
     python bench/actor_throughput.py --layouts single ep2 --steps 3
     python bench/actor_throughput.py --out docs/bench_actor.md        # also write the doc
     python bench/actor_throughput.py --lengths long-tail --max-tokens 512 --layouts single dp2 \
@@ -11,6 +11,8 @@
         --out docs/bench_actor.md                                     # fast paths on/off against length
     python bench/actor_throughput.py --platform cuda --dtype bf16 --model qwen3_30b_a3b --layers 2 \
         --seq-lens 2048 8192 16384 32768 --steps 3                    # the Qwen3-30B-A3B slice on one GPU
+    python bench/actor_throughput.py --seq-lens 1024 2048 4096 8192 --layouts single cp2 cp4 \
+        --variants all-on --steps 3 --out docs/bench_cp.md            # context parallel against length
 
 For the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``) or the mid-size one (``--model mid``,
 ``bench/common.py MID_SIZE``), saved with transformers into a temporary directory, and each layout,
@@ -40,14 +42,17 @@ wait for the device's queued work at every phase boundary and around every colle
 costs a little throughput and makes the phase shares mean what they say; the peak device memory
 (``torch.cuda.max_memory_allocated``) is reported beside the host's.
 
-With ``--seq-lens S ...`` it runs the sequence-length sweep instead (``sweep_main``): on one rank,
-micro-batches of one row of S tokens (prompt ``--prompt-share`` of it, response the rest, no
-padding), each "fast path" variant (``VARIANTS``: flash attention, grouped-GEMM experts, chunked
-log-probs, packing, each off alone, all off) in a fresh process that runs the lengths in ascending
-order. It reports tok/s and MFU (``train_flops``) of the train step and the log-prob pass, peak
-memory (the device's, or the host's RSS on the CPU) and the planner's predicted training peak
-(``megatron_bridge.plan.memory.estimate``) beside the measured one. An out-of-memory error is
-caught in the rank and reported as OOM; that variant then skips the longer lengths.
+With ``--seq-lens S ...`` it runs the sequence-length sweep instead (``sweep_main``): on one rank
+(layout ``single``) or on each of ``--layouts`` (e.g. ``single cp2 cp4``: context parallel over 1, 2
+and 4 ranks), micro-batches of one row of S tokens (prompt ``--prompt-share`` of it, response the
+rest, no padding), each "fast path" variant (``VARIANTS``: flash attention, grouped-GEMM experts,
+chunked log-probs, packing, each off alone, all off) in fresh processes that run the lengths in
+ascending order. It reports tok/s and MFU (``train_flops``) of the train step and the log-prob
+pass, peak memory per rank (the device's; on the CPU the host's RSS and the peak of tensor storage
+alive at once in one log-prob pass and one train step, ``bench.log_prob_memory.LiveBytes``) and
+the planner's predicted training peak (``megatron_bridge.plan.memory.estimate``) beside the
+measured one. An out-of-memory error is caught in the rank and reported as OOM; that variant then
+skips the longer lengths.
 ``--model qwen3_30b_a3b --layers N`` is a slice of Qwen3-30B-A3B with the real layer shapes and N
 layers (``--experts E`` / ``--vocab V`` cut it further, for the CPU).
 """
@@ -65,7 +70,7 @@ import tempfile
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -111,7 +116,19 @@ LAYOUTS: dict[str, BenchLayout] = {
     "dp2": BenchLayout(2, TrainParallel()),
     "tp2ep2": BenchLayout(4, TrainParallel(tp=2, sequence_parallel=True, ep=2, etp=1)),
     "pp2ep2": BenchLayout(4, TrainParallel(pp=2, ep=2, etp=1)),
+    "cp2": BenchLayout(2, TrainParallel(cp=2)),
+    "cp4": BenchLayout(4, TrainParallel(cp=4)),
 }
+# The layout tables' default: every layout but the context-parallel ones, which split sequences and
+# are measured against sequence length (--seq-lens --layouts single cp2 cp4, docs/bench_cp.md).
+TABLE_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if layout.train.cp == 1)
+
+
+def rank_threads(layout: str, threads: int | None) -> int:
+    """Intra-op threads of each of ``layout``'s ranks: --threads, the layout's own, else the usable
+    cores // ranks (at least 1)."""
+    bench = LAYOUTS[layout]
+    return threads or bench.threads or max(1, cpu_cores() // bench.ranks)
 
 # torch.distributed functions timed as communication. Point-to-point sends and receives are
 # asynchronous; megatron's own p2p timers cover them.
@@ -390,11 +407,9 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_toke
 def run_layout(layout: str, checkpoint: str, shape: BatchShape, max_tokens: int | None, steps: int,
                threads: int | None, profile_dir: str | None, platform: str, dtype: str) -> dict[str, Any]:
     """Spawn the layout's ranks and summarise what they measured."""
-    world = LAYOUTS[layout].ranks
-    per_rank = threads or LAYOUTS[layout].threads or max(1, cpu_cores() // world)
     start = time.perf_counter()
-    ranks = run_ranks(measure, world, per_rank, layout, checkpoint, shape, max_tokens, steps, profile_dir, dtype,
-                      platform=platform)
+    ranks = run_ranks(measure, LAYOUTS[layout].ranks, rank_threads(layout, threads), layout, checkpoint, shape,
+                      max_tokens, steps, profile_dir, dtype, platform=platform)
     return summarise(layout, max_tokens, ranks, time.perf_counter() - start)
 
 
@@ -440,6 +455,7 @@ def describe_layout(layout: str) -> str:
     t, dp = LAYOUTS[layout].train, LAYOUTS[layout].dp
     parts = [f"TP{t.tp}" + ("+SP" if t.sequence_parallel else "")] if t.tp > 1 else []
     parts += [f"PP{t.pp}"] if t.pp > 1 else []
+    parts += [f"CP{t.cp}"] if t.cp > 1 else []
     parts += [f"EP{t.ep} (ETP{t.expert_tp})"] if t.ep > 1 else []
     parts += [f"DP{dp}"] if dp > 1 else []
     return " x ".join(parts) or "single rank"
@@ -486,14 +502,15 @@ def phase_table(results: list[dict], key: str) -> str:
     return "\n".join(lines)
 
 
-def threads_policy(threads: int | None, layouts: list[BenchLayout]) -> str:
+def threads_policy(threads: int | None, layouts: list[str]) -> str:
     cores = cpu_cores()
     if threads:
         note = f"torch.set_num_threads({threads}) on every rank (--threads)"
     else:
-        note = (f"torch.set_num_threads(max(1, {cores} cores // ranks)) per rank "
-                "(single-1t: 1 thread, to show the effect of intra-op threads)")
-    busiest = max(layout.ranks * (threads or layout.threads or max(1, cores // layout.ranks)) for layout in layouts)
+        note = f"torch.set_num_threads(max(1, {cores} cores // ranks)) per rank"
+        if "single-1t" in layouts:
+            note += " (single-1t: 1 thread, to show the effect of intra-op threads)"
+    busiest = max(LAYOUTS[name].ranks * rank_threads(name, threads) for name in layouts)
     if busiest > cores:
         note += f"; the busiest layout runs {busiest} threads on {cores} cores ({busiest / cores:g}x oversubscribed)"
     return note
@@ -597,9 +614,9 @@ class Variant:
     chunked: bool = True  # log-probs and entropy over chunks of tokens; false: log_prob_chunk_size=0
     pack: bool = True  # packed micro-batches (use_remove_padding)
 
-    @property
-    def train(self) -> TrainParallel:
-        return TrainParallel(flash_attn=self.flash_attn, grouped_gemm=self.grouped_gemm)
+    def train(self, layout: str = "single") -> TrainParallel:
+        """Bench layout ``layout``'s parallelism with this variant's kernel switches."""
+        return replace(LAYOUTS[layout].train, flash_attn=self.flash_attn, grouped_gemm=self.grouped_gemm)
 
     def loss_config(self):
         from loss.gspo import PAPER_SETTINGS
@@ -697,6 +714,8 @@ def _append(path: str, record: dict) -> None:
 
 
 def _wall(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall seconds of ``fn`` and its result, started on every rank together (a barrier)."""
+    torch.distributed.barrier()
     synchronize()
     start = time.perf_counter()
     result = fn()
@@ -717,19 +736,26 @@ def oom_words(error: BaseException) -> str:
     return f"allocating {found.group(1)}" if found else text.splitlines()[0][:120] if text else "out of memory"
 
 
-def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_share: float, steps: int) -> dict[str, Any]:
+def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_share: float, steps: int,
+                   count_tensors: bool) -> dict[str, Any]:
     """Log-prob pass then train step, ``steps`` times after a warm-up, on ``rows`` rows of exactly
-    ``seq_len`` tokens in micro-batches of one row."""
+    ``seq_len`` tokens in micro-batches of one row; the peak RSS of the timed steps (since the last
+    ``reset_peak_rss``); with ``count_tensors``, then one more of each, untimed, under ``LiveBytes``:
+    the most bytes of tensor storage created in the pass alive at once (activations, logits,
+    gradients in flight, collectives' buffers, the optimizer step's temporaries; not the weights,
+    gradient buffers and Adam moments, which exist before it)."""
+    from bench.log_prob_memory import LiveBytes
     from loss.megatron_hook import log_prob_func, policy_loss_func
 
     prompt = prompt_tokens(seq_len, prompt_share)
-    batch = make_batch(BatchShape(rows=rows, prompt=prompt, response=seq_len - prompt, micro_batch=1, lengths="fixed"),
+    whole = make_batch(BatchShape(rows=rows, prompt=prompt, response=seq_len - prompt, micro_batch=1, lengths="fixed"),
                        actor.spec.vocab_size)
+    batch = dp_share(whole, by_length=False)  # this DP rank's rows (all of them without DP)
     cfg = variant.loss_config()
     log_probs = partial(actor.forward_only, batch, 1,
                         partial(log_prob_func, cfg.temperature, False, log_prob_chunk_size=cfg.log_prob_chunk_size))
     update = partial(actor.train_step, batch, 1, partial(policy_loss_func, cfg))
-    out: dict[str, Any] = {"seq_len": seq_len, "prompt": prompt, "tokens": valid_tokens(batch), "train_s": [],
+    out: dict[str, Any] = {"seq_len": seq_len, "prompt": prompt, "tokens": valid_tokens(whole), "train_s": [],
                            "log_prob_s": [], "skipped": 0}
     for step in range(steps + 1):  # step 0 warms up
         lp_s, lp_out = _wall(log_probs)
@@ -739,81 +765,121 @@ def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_shar
             out["log_prob_s"].append(lp_s)
             out["train_s"].append(tr_s)
             out["skipped"] += int(metrics["actor/skipped"])
+    out["peak_rss_mib"] = window_peak_rss_mib()  # before the counted passes: the counter costs memory of its own
+    if count_tensors:
+        for key, fn in (("log_prob_tensor_peak_mib", log_probs), ("train_tensor_peak_mib", update)):
+            torch.distributed.barrier()
+            with LiveBytes() as counter:
+                fn()
+            out[key] = counter.peak / 2**20
     return out
 
 
-def measure_lengths(rank: int, variant: str, checkpoint: str, seq_lens: list[int], rows: int, prompt_share: float,
-                    steps: int, dtype: str, progress: str) -> dict[str, Any]:
-    """One variant in this (fresh) process on one rank: the actor built once, then each length in
-    turn, written to ``progress`` as it is measured. An out-of-memory error ends the variant."""
+def measure_lengths(rank: int, layout: str, variant: str, checkpoint: str, seq_lens: list[int], rows: int,
+                    prompt_share: float, steps: int, dtype: str, progress: str) -> dict[str, Any]:
+    """One variant of a layout in this (fresh) process, one of the layout's ranks: the actor built
+    once, then each length in turn, written to ``progress``.rank<r>.jsonl as it is measured. An
+    out-of-memory error ends the variant (the other ranks then wait in a collective until
+    --run-timeout stops them)."""
     from megatron_bridge.runtime.actor import initialize_parallel
     from megatron_bridge.runtime.platform import active
 
-    v = VARIANTS[variant]
-    initialize_parallel(v.train)
-    actor = build_actor(v.train, checkpoint, dtype, active().name, v.pack)
+    v, train = VARIANTS[variant], VARIANTS[variant].train(layout)
+    initialize_parallel(train)
+    actor = build_actor(train, checkpoint, dtype, active().name, v.pack)
     on_device = actor.device.type == "cuda"
+    # The counter is a dispatch mode, under which torch cannot build a tensor subclass: the
+    # context-parallel attention's unpacked path builds torch's CausalBias in every layer.
+    counts = not on_device and (train.cp == 1 or actor.packs)
     loaded = current_rss_mib()
-    _append(progress, {"kernels": actor.kernels.describe(), "packs": actor.packs, "threads": torch.get_num_threads(),
-                       "log_prob_chunk_size": v.loss_config().log_prob_chunk_size, "loaded_rss_mib": loaded,
-                       "loaded_device_mib": torch.cuda.memory_allocated(actor.device) / 2**20 if on_device else None})
+    path = f"{progress}.rank{rank}.jsonl"
+    _append(path, {"kernels": actor.kernels.describe(), "packs": actor.packs, "threads": torch.get_num_threads(),
+                   "log_prob_chunk_size": v.loss_config().log_prob_chunk_size, "loaded_rss_mib": loaded,
+                   "loaded_device_mib": torch.cuda.memory_allocated(actor.device) / 2**20 if on_device else None})
     for seq_len in seq_lens:
         if on_device:
             torch.cuda.reset_peak_memory_stats(actor.device)
         before = torch.cuda.memory_allocated(actor.device) / 2**20 if on_device else None
         windowed = reset_peak_rss()
         try:
-            row = measure_length(actor, v, seq_len, rows, prompt_share, steps)
+            row = measure_length(actor, v, seq_len, rows, prompt_share, steps, count_tensors=counts)
         except RuntimeError as error:  # torch.OutOfMemoryError, or a library's failed allocation
             if not is_oom(error):
                 raise
-            row = {"seq_len": seq_len, "oom": oom_words(error)}
-        peak = window_peak_rss_mib()
-        row.update(peak_rss_mib=peak, rss_growth_mib=peak - loaded if windowed else None, device_before_mib=before,
+            row = {"seq_len": seq_len, "oom": oom_words(error), "peak_rss_mib": window_peak_rss_mib()}
+        row.update(rss_growth_mib=row["peak_rss_mib"] - loaded if windowed else None, device_before_mib=before,
                    peak_device_mib=torch.cuda.max_memory_allocated(actor.device) / 2**20 if on_device else None)
-        _append(progress, row)
+        _append(path, row)
         if "oom" in row:
             break
     return {}
 
 
-def run_variant(name: str, checkpoint: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """Spawn the variant's rank; what it measured, per length, with OOM / timeout / failure and the
-    lengths not tried marked. A rank that dies or hangs costs its variant, not the sweep."""
-    progress = tmp / f"{name}.jsonl"
-    threads = args.threads or max(1, cpu_cores())
+# what a layout's ranks measured at one length: the slowest rank's time per step, the largest memory
+PER_RANK_MAX = ("peak_rss_mib", "rss_growth_mib", "device_before_mib", "peak_device_mib", "log_prob_tensor_peak_mib",
+                "train_tensor_peak_mib")
+
+
+def merge_ranks(ranks: list[dict]) -> dict[str, Any]:
+    """One length's record of every rank of a layout as one: per step the slowest rank's seconds,
+    the largest memory of any rank, an OOM if any rank had one."""
+    merged = dict(ranks[0])
+    for key in ("train_s", "log_prob_s"):
+        if all(key in r for r in ranks):
+            merged[key] = [max(steps) for steps in zip(*(r[key] for r in ranks))]
+    for key in PER_RANK_MAX:
+        values = [r[key] for r in ranks if r.get(key) is not None]
+        merged[key] = max(values) if values else None
+    oom = [r["oom"] for r in ranks if "oom" in r]
+    if oom:
+        merged = {k: v for k, v in merged.items() if k not in ("train_s", "log_prob_s")} | {"oom": oom[0]}
+    return merged
+
+
+def run_variant(layout: str, name: str, checkpoint: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Spawn the layout's ranks for one variant; what they measured, per length, with OOM / timeout /
+    failure and the lengths not tried marked. Ranks that die or hang cost their variant, not the sweep."""
+    progress = tmp / f"{layout}_{name}"
+    world = LAYOUTS[layout].ranks
     failure = None
     start = time.perf_counter()
     try:
-        run_ranks(measure_lengths, 1, threads, name, checkpoint, args.seq_lens, args.rows, args.prompt_share,
-                  args.steps, args.dtype, str(progress), platform=args.platform, timeout=args.run_timeout)
+        run_ranks(measure_lengths, world, rank_threads(layout, args.threads), layout, name, checkpoint, args.seq_lens,
+                  args.rows, args.prompt_share, args.steps, args.dtype, str(progress), platform=args.platform,
+                  timeout=args.run_timeout)
     except TimeoutError:
         failure = f"timeout ({args.run_timeout:g} s)"
-        print(f"[{name}] stopped after --run-timeout {args.run_timeout:g} s", file=sys.stderr)
+        print(f"[{layout} {name}] stopped after --run-timeout {args.run_timeout:g} s", file=sys.stderr)
     except Exception:  # noqa: BLE001 - the rank's traceback is printed; the sweep goes on
         traceback.print_exc()
         failure = "failed (traceback in the log)"
-    lines = [json.loads(line) for line in progress.read_text().splitlines()] if progress.exists() else []
-    info, measured = (lines[0], {r["seq_len"]: r for r in lines[1:]}) if lines else ({}, {})
+    per_rank = []
+    for rank in range(world):
+        path = Path(f"{progress}.rank{rank}.jsonl")
+        per_rank.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
+    info = per_rank[0][0] if per_rank[0] else {}
+    # a length counts as measured once every rank has written it
+    measured = [{r["seq_len"]: r for r in lines[1:]} for lines in per_rank]
     lengths = []
     for seq_len in args.seq_lens:
-        if seq_len in measured:
-            lengths.append(measured[seq_len])
+        if all(seq_len in m for m in measured):
+            lengths.append(merge_ranks([m[seq_len] for m in measured]))
         elif failure:  # the length it was on when it died
             lengths.append({"seq_len": seq_len, "failed": failure})
             failure = None
         else:  # after an OOM or a failure at a shorter length
             lengths.append({"seq_len": seq_len, "not_run": True})
-    return {"variant": name, "info": info, "lengths": lengths, "wall_s": time.perf_counter() - start}
+    return {"layout": layout, "variant": name, "info": info, "lengths": lengths, "wall_s": time.perf_counter() - start}
 
 
-def predicted_peak_gib(spec: ModelSpec, variant: Variant, seq_len: int, platform: str) -> float:
-    """The planner's training peak for the variant's switches on a one-device layout, micro-batch 1
-    (``megatron_bridge.plan.memory.estimate``)."""
+def predicted_peak_gib(spec: ModelSpec, layout: str, variant: Variant, seq_len: int, platform: str) -> float:
+    """The planner's training peak per device for bench layout ``layout`` with the variant's switches,
+    micro-batch 1 (``megatron_bridge.plan.memory.estimate``)."""
     from megatron_bridge.plan import memory
 
-    layout = Layout("bench", train=variant.train, cluster=Cluster(device=platform))
-    return memory.estimate(spec, layout, seq_len, 1, packed=variant.pack,
+    plan = Layout("bench", train=variant.train(layout),
+                  cluster=Cluster(devices_per_node=LAYOUTS[layout].ranks, device=platform))
+    return memory.estimate(spec, plan, seq_len, 1, packed=variant.pack,
                            log_prob_chunk_size=variant.loss_config().log_prob_chunk_size).train_peak / 2**30
 
 
@@ -833,24 +899,25 @@ def peak_flops(args: argparse.Namespace) -> tuple[float, str] | None:
 
 
 def sweep_rows(results: list[dict], spec: ModelSpec, args: argparse.Namespace, peak: float | None) -> list[dict]:
-    """One summary per variant and length: tok/s, MFU, memory, the planner's prediction."""
+    """One summary per layout, variant and length: tok/s, MFU (of all the layout's devices), memory
+    per rank, the planner's prediction."""
     out = []
     for result in results:
-        variant = VARIANTS[result["variant"]]
+        layout, variant = result["layout"], VARIANTS[result["variant"]]
         for r in result["lengths"]:
-            row = {"variant": result["variant"], "seq_len": r["seq_len"],
-                   "predicted_gib": predicted_peak_gib(spec, variant, r["seq_len"], args.platform)}
+            row = {"layout": layout, "variant": result["variant"], "seq_len": r["seq_len"],
+                   "predicted_gib": predicted_peak_gib(spec, layout, variant, r["seq_len"], args.platform)}
             if "train_s" in r:
                 train_s, log_prob_s = statistics.median(r["train_s"]), statistics.median(r["log_prob_s"])
                 flops = train_flops(spec, [r["seq_len"]] * args.rows)
+                devices = peak * LAYOUTS[layout].ranks if peak else None
                 row.update(
                     tokens=r["tokens"], train_s=train_s, log_prob_s=log_prob_s, train_tok_s=r["tokens"] / train_s,
                     log_prob_tok_s=r["tokens"] / log_prob_s, skipped=r["skipped"],
-                    train_mfu=flops / train_s / peak if peak else None,
-                    log_prob_mfu=flops / 3 / log_prob_s / peak if peak else None,
+                    train_mfu=flops / train_s / devices if devices else None,
+                    log_prob_mfu=flops / 3 / log_prob_s / devices if devices else None,
                 )
-            row.update(status=status(r), peak_rss_mib=r.get("peak_rss_mib"), rss_growth_mib=r.get("rss_growth_mib"),
-                       peak_device_mib=r.get("peak_device_mib"), device_before_mib=r.get("device_before_mib"))
+            row.update(status=status(r), **{key: r.get(key) for key in PER_RANK_MAX})
             out.append(row)
     return out
 
@@ -870,14 +937,17 @@ def _gib(mib: float | None) -> str:
     return "—" if mib is None else f"{mib / 1024:,.1f}"
 
 
-def sweep_table(rows: list[dict], device: bool, mfu: bool) -> str:
-    """One line per variant and length; a length not measured shows what happened instead."""
+def sweep_table(rows: list[dict], device: bool, mfu: bool, layouts: bool) -> str:
+    """One line per (layout,) variant and length; a length not measured shows what happened instead.
+    Memory is the largest of the layout's ranks."""
     speed = ["train step tok/s", *(["train MFU"] if mfu else []), "log-prob tok/s", *(["log-prob MFU"] if mfu else []),
              "train step s", "log-prob s"]
-    memory = (["peak device memory (GiB)", "planner's train peak (GiB)", "predicted / measured"] if device
-              else ["peak RSS (MiB)", "growth over the loaded model (MiB)"])
-    cols = ["variant", "tokens / sequence", *speed, *memory]
-    lines = ["| " + " | ".join(cols) + " |", "|---|" + "--:|" * (len(cols) - 1)]
+    per = " / rank" if layouts else ""
+    memory = ([f"peak device memory{per} (GiB)", f"planner's train peak{per} (GiB)", "predicted / measured"] if device
+              else [f"peak RSS{per} (MiB)", f"growth over the loaded model{per} (MiB)",
+                    f"tensor peak{per}: log-prob pass (MiB)", f"tensor peak{per}: train step (MiB)"])
+    cols = [*(["layout"] if layouts else []), "variant", "tokens / sequence", *speed, *memory]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * (1 + layouts) + "--:|" * (len(cols) - 1 - layouts)]
     for r in rows:
         ran = r["status"] != "not run"
         if r["status"] is None:
@@ -891,18 +961,22 @@ def sweep_table(rows: list[dict], device: bool, mfu: bool) -> str:
             cells += [_gib(r["peak_device_mib"] if ran else None), f"{r['predicted_gib']:,.1f}",
                       f"{r['predicted_gib'] * 1024 / measured:.2f}" if measured else "—"]
         else:
-            cells += [_mib(r["peak_rss_mib"] if ran else None), _mib(r["rss_growth_mib"] if ran else None)]
-        lines.append("| " + " | ".join([r["variant"], f"{r['seq_len']:,}", *cells]) + " |")
+            cells += [_mib(r[key] if ran else None) for key in ("peak_rss_mib", "rss_growth_mib")]
+            cells += [_mib(r[key] if ran else None, 1) for key in ("log_prob_tensor_peak_mib", "train_tensor_peak_mib")]
+        lines.append("| " + " | ".join([*([r["layout"]] if layouts else []), r["variant"], f"{r['seq_len']:,}", *cells])
+                     + " |")
     return "\n".join(lines)
 
 
-def _mib(mib: float | None) -> str:
-    return "—" if mib is None else f"{mib:,.0f}"
+def _mib(mib: float | None, decimals: int = 0) -> str:
+    return "—" if mib is None else f"{mib:,.{decimals}f}"
 
 
-def kernels_table(results: list[dict], device: bool) -> str:
-    lines = ["| variant | what it switches | what ran (`actor.kernels.describe()`) | micro-batches | log-prob chunk |"
-             + (" device memory once loaded (GiB) |" if device else ""), "|---|---|---|---|--:|" + ("--:|" if device else "")]
+def kernels_table(results: list[dict], device: bool, layouts: bool) -> str:
+    lines = ["| " + ("layout | " if layouts else "") + "variant | what it switches "
+             "| what ran (`actor.kernels.describe()`) | micro-batches | log-prob chunk |"
+             + (" device memory once loaded (GiB) |" if device else ""),
+             "|---|" + ("---|" if layouts else "") + "---|---|---|--:|" + ("--:|" if device else "")]
     for result in results:
         info, v = result["info"], VARIANTS[result["variant"]]
         packed = "—" if not info else "packed" if info["packs"] else "padded"
@@ -910,55 +984,78 @@ def kernels_table(results: list[dict], device: bool) -> str:
         chunk = "—" if not info else f"{size:,} tokens" if size else "one"
         kernels = info.get("kernels", "did not start")
         loaded = f" {_gib(info.get('loaded_device_mib'))} |" if device else ""
-        lines.append(f"| {result['variant']} | {v.words} | {kernels} | {packed} | {chunk} |{loaded}")
+        lines.append(f"| {result['layout'] + ' | ' if layouts else ''}{result['variant']} | {v.words} | {kernels} "
+                     f"| {packed} | {chunk} |{loaded}")
     return "\n".join(lines)
+
+
+def sweep_threads(results: list[dict], args: argparse.Namespace) -> str:
+    """The sweep's threads per rank: one rank's count, or the layouts' policy."""
+    if args.layouts == ["single"]:
+        threads = {r["info"].get("threads") for r in results if r["info"]} - {None}
+        return f"torch.set_num_threads({', '.join(map(str, sorted(threads))) or '?'}) in the one rank"
+    return threads_policy(args.threads, args.layouts)
 
 
 def sweep_report(results: list[dict], rows: list[dict], command: str, spec: ModelSpec, model: str,
                  args: argparse.Namespace, peak: tuple[float, str] | None, load_before: float) -> str:
     device = args.platform == "cuda"
-    threads = {r["info"].get("threads") for r in results if r["info"]} - {None}
+    layouts = args.layouts != ["single"]
     prompt = ", ".join(f"{prompt_tokens(s, args.prompt_share):,} + {s - prompt_tokens(s, args.prompt_share):,}"
                        for s in args.seq_lens)
     facts = [
         f"Command: `{command}`",
         "",
-        *machine_facts(f"torch.set_num_threads({', '.join(map(str, sorted(threads))) or '?'}) in the one rank",
-                       load_before, args.platform),
+        *machine_facts(sweep_threads(results, args), load_before, args.platform),
         f"- model: {model}; {args.dtype} parameters, random weights",
         f"- batch per length s: {args.rows} row{'s' if args.rows > 1 else ''} of exactly s tokens, "
         f"prompt + response = {prompt} "
         f"(--prompt-share {args.prompt_share:g}), no padding; micro-batch 1 row; GSPO loss "
         f"(`loss.gspo.PAPER_SETTINGS`); per step the log-prob pass (its log-probs become `old_log_probs`), "
         f"then one train step; median of {args.steps} steps after 1 warm-up",
-        "- each variant runs in one fresh process on one rank, the lengths in ascending order; an out-of-memory "
-        "error is caught there and reported as OOM, and that variant's longer lengths are not run"
-        + (f"; --run-timeout {args.run_timeout:g} s per variant" if args.run_timeout else ""),
+        *(["- layouts: " + "; ".join(f"{name} = {describe_layout(name)} on {LAYOUTS[name].ranks} rank(s) x "
+                                      f"{rank_threads(name, args.threads)} thread(s)" for name in args.layouts)
+           + "; a step's time is the slowest rank's, a memory figure the largest rank's"] if layouts else []),
+        ("- each layout and variant runs in fresh processes, one per rank" if layouts else
+         "- each variant runs in one fresh process on one rank")
+        + ", the lengths in ascending order; an out-of-memory error is caught there and reported as OOM, and that "
+        "variant's longer lengths are not run" + (f"; --run-timeout {args.run_timeout:g} s per variant"
+                                                  if args.run_timeout else ""),
         f"- FLOPs: train step = 6 x {matmul_params(spec):,} active matmul parameters (q/k/v/o, router, top-"
         f"{spec.moe_topk} experts' three matrices per layer, LM head) x tokens + 6 x {spec.num_layers} layers x "
         f"{spec.num_attention_heads} heads x {spec.head_dim} x s^2 per sequence (causal attention); log-prob pass "
         "= a third of that",
     ]
     if peak:
-        facts.append(f"- MFU = FLOPs / wall time / peak; peak = {peak[1]}")
+        facts.append(f"- MFU = FLOPs / wall time / peak{' / the layout ranks' if layouts else ''}; peak = {peak[1]}")
     if device:
         facts.append("- peak device memory: `torch.cuda.max_memory_allocated()` over the length's steps (reset before "
-                     "each length); the planner's: `megatron_bridge.plan.memory.estimate(spec, one-device layout with "
-                     "the variant's switches, s, micro_batch_size=1).train_peak` (bf16 weights, fp32 grads and Adam, and the "
-                     "larger of the activations with the logits and the optimizer step's temporaries)")
+                     "each length); the planner's: `megatron_bridge.plan.memory.estimate(spec, "
+                     + ("the layout" if layouts else "one-device layout")
+                     + " with the variant's switches, s, micro_batch_size=1).train_peak` (bf16 weights, fp32 grads "
+                     "and Adam, and the larger of the activations with the logits and the optimizer step's temporaries)")
     else:
-        facts.append("- peak RSS: the process's VmHWM over the length's steps (reset before each length through "
+        facts.append("- peak RSS: the process's VmHWM over the length's timed steps (reset before each length through "
                      "/proc/self/clear_refs); growth: that minus the RSS right after the model was loaded "
                      "(activations, Adam's moments from the first step, allocator caches)")
+        facts.append("- tensor peak: after the timed steps, one more log-prob pass and one more train step under "
+                     "`bench.log_prob_memory.LiveBytes`, which counts every tensor storage created in the pass from "
+                     "its creation to its release: the most bytes alive at once (activations, logits, gradients in "
+                     "flight, collectives' buffers, the optimizer step's temporaries; not the weights, gradient "
+                     "buffers and Adam moments, which exist before the pass)"
+                     + ("; not measured (—) with context parallel and padded micro-batches, whose attention builds "
+                        "torch's CausalBias, a tensor subclass that torch cannot build under the counter's dispatch mode"
+                        if any(LAYOUTS[n].train.cp > 1 for n in args.layouts)
+                        and any(not VARIANTS[v].pack for v in args.variants) else ""))
     skipped = sum(r.get("skipped") or 0 for r in rows)
     return "\n".join(facts + [
         *([f"- warning: {skipped} steps were skipped (non-finite)"] if skipped else []),
         "",
-        sweep_table(rows, device, peak is not None),
+        sweep_table(rows, device, peak is not None, layouts),
         "",
         "What ran in each variant:",
         "",
-        kernels_table(results, device),
+        kernels_table(results, device, layouts),
     ])
 
 
@@ -970,18 +1067,26 @@ def sweep_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         spec = load_model_spec(checkpoint)
         model = describe_model(spec, args)
         print(f"model: {model}", file=sys.stderr, flush=True)
-        for name in args.variants:
-            print(f"[{name}] {VARIANTS[name].words} ...", file=sys.stderr, flush=True)
-            result = run_variant(name, checkpoint, args, Path(tmp))
-            for row in sweep_rows([result], spec, args, None):
-                done = (f"{row['train_tok_s']:,.0f} train tok/s, {row['log_prob_tok_s']:,.0f} log-prob tok/s"
-                        if row["status"] is None else row["status"])
-                memory = (f", peak {_gib(row['peak_device_mib'])} GiB (planner {row['predicted_gib']:.1f}; "
-                          f"{_gib(row['device_before_mib'])} GiB held before the length)"
-                          if row["peak_device_mib"] is not None and row["status"] != "not run" else "")
-                print(f"[{name}] {row['seq_len']:,} tokens: {done}{memory}", file=sys.stderr, flush=True)
-            print(f"[{name}] {result['wall_s']:.0f} s with start-up", file=sys.stderr, flush=True)
-            results.append(result)
+        for layout in args.layouts:
+            for name in args.variants:
+                tag = name if args.layouts == ["single"] else f"{layout} {name}"
+                print(f"[{tag}] {VARIANTS[name].words} on {describe_layout(layout)} ...", file=sys.stderr, flush=True)
+                result = run_variant(layout, name, checkpoint, args, Path(tmp))
+                for row in sweep_rows([result], spec, args, None):
+                    done = (f"{row['train_tok_s']:,.0f} train tok/s, {row['log_prob_tok_s']:,.0f} log-prob tok/s"
+                            if row["status"] is None else row["status"])
+                    if row["status"] == "not run":
+                        memory = ""
+                    elif row["peak_device_mib"] is not None:
+                        memory = (f", peak {_gib(row['peak_device_mib'])} GiB (planner {row['predicted_gib']:.1f}; "
+                                  f"{_gib(row['device_before_mib'])} GiB held before the length)")
+                    elif row["train_tensor_peak_mib"] is not None:
+                        memory = f", tensor peak {row['train_tensor_peak_mib']:,.0f} MiB in the train step"
+                    else:
+                        memory = ""
+                    print(f"[{tag}] {row['seq_len']:,} tokens: {done}{memory}", file=sys.stderr, flush=True)
+                print(f"[{tag}] {result['wall_s']:.0f} s with start-up", file=sys.stderr, flush=True)
+                results.append(result)
     peak = peak_flops(args)  # after the ranks: asking the GPU's name opens a CUDA context in this process
     rows = sweep_rows(results, spec, args, peak[0] if peak else None)
     body = sweep_report(results, rows, command_line(SCRIPT, argv), spec, model, args, peak, load_before)
@@ -995,12 +1100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Tokens/s of the megatron actor's GSPO train step and log-prob pass, peak memory and a "
         "phase profile, for the tiny (or mid-size) Qwen3-MoE on CPU gloo ranks or accelerators under several "
         "parallel layouts; with --seq-lens, tok/s, MFU and peak memory against sequence length with each fast "
-        "path on and off, on one rank.",
+        "path on and off, on one rank or on the --layouts given (e.g. single cp2 cp4: context parallel).",
         epilog="layouts: " + "; ".join(f"{name} = {describe_layout(name)} on {LAYOUTS[name].ranks} rank(s)" for name in LAYOUTS)
         + ". variants (--seq-lens): " + "; ".join(f"{name} = {v.words}" for name, v in VARIANTS.items()),
     )
     p.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=None, metavar="LAYOUT",
-                   help=f"layouts to run (default: all; choices: {', '.join(LAYOUTS)}); --seq-lens runs on one rank")
+                   help=f"layouts to run (choices: {', '.join(LAYOUTS)}; default: {', '.join(TABLE_LAYOUTS)}, all "
+                        "but the context-parallel ones; with --seq-lens: single)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per layout, after one warm-up (default 5)")
     p.add_argument("--rows", type=int, default=None,
                    help=f"rows in the global batch (default {BatchShape.rows}; with --seq-lens 1 per length)")
@@ -1030,7 +1136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None,
                    help="HF directory of the model (default: write --model's random weights to a temp dir)")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, metavar="S",
-                   help="run the sequence-length sweep instead of the layouts: sequences of S tokens, micro-batch 1")
+                   help="run the sequence-length sweep instead of the layout tables: sequences of S tokens, "
+                        "micro-batch 1, on layout single or the --layouts given")
     p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
                    help=f"fast-path variants of the sweep (default: all; choices: {', '.join(VARIANTS)})")
     p.add_argument("--prompt-share", type=float, default=0.2,
@@ -1039,7 +1146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the device's peak in TFLOPS for the MFU columns (default: bf16 dense from the table of "
                         "known GPUs; no MFU on the CPU unless given)")
     p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
-                   help="stop a sweep variant's process after this long and report it as a timeout")
+                   help="stop a sweep variant's processes after this long and report it as a timeout")
     p.add_argument("--torch-profile", metavar="DIR", default=None,
                    help="also run one extra train step under torch.profiler and write each rank's top ops to DIR")
     p.add_argument("--out", type=Path, default=None,
@@ -1072,8 +1179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.layouts not in (None, ["single"]):
-        p.error("--seq-lens runs on one rank (layout single); leave out --layouts")
+    args.layouts = args.layouts or ["single"]
     for flag, given in (("--max-tokens", args.max_tokens), ("--torch-profile", args.torch_profile)):
         if given:
             p.error(f"{flag} is for the layout tables, not the --seq-lens sweep")
@@ -1090,6 +1196,19 @@ def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--run-timeout must be > 0")
     args.rows = args.rows or 1
     args.micro_batch = 1
+    for name in args.layouts:
+        multiple = LAYOUTS[name].train.seq_multiple
+        uneven = [s for s in args.seq_lens if s % multiple]
+        if uneven:
+            p.error(f"--seq-lens {' '.join(map(str, uneven))}: layout {name} splits a sequence into {multiple} chunks; "
+                    f"choose multiples of {multiple}: the actor would pad the rest, and the sweep measures rows "
+                    "without padding")
+        for variant in args.variants:
+            if LAYOUTS[name].train.cp > 1 and not VARIANTS[variant].flash_attn:
+                p.error(f"layout {name} with variant {variant}: megatron's DotProductAttention has no context "
+                        "parallel; choose variants with the fused attention: "
+                        + ", ".join(n for n, v in VARIANTS.items() if v.flash_attn))
+    _check_ranks(p, args)
     check_out(p, args.out, SCRIPT, SWEEP_BLOCK)
 
 
@@ -1097,13 +1216,23 @@ def _check_layouts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     for flag, given in (("--variants", args.variants != list(VARIANTS)), ("--run-timeout", args.run_timeout)):
         if given:
             p.error(f"{flag} is for the --seq-lens sweep")
-    args.layouts = args.layouts or list(LAYOUTS)
+    args.layouts = args.layouts or list(TABLE_LAYOUTS)
     args.rows = args.rows or BatchShape.rows
     args.micro_batch = args.micro_batch or BatchShape.micro_batch
     if args.max_tokens is not None and args.max_tokens < args.prompt + args.response:
         p.error(f"--max-tokens {args.max_tokens} must hold the longest sequence, --prompt + --response = "
                 f"{args.prompt + args.response}")
     check_out(p, args.out, SCRIPT)
+    for name in args.layouts:
+        if args.max_tokens and LAYOUTS[name].train.pp > 1:
+            p.error(f"--max-tokens with layout {name}: micro-batches of different lengths need megatron's variable "
+                    "sequence lengths in the pipeline, which the CPU path's allgather MoE dispatcher turns off; "
+                    "choose layouts without PP")
+    _check_ranks(p, args)
+
+
+def _check_ranks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every layout's ranks have a GPU each (--platform cuda) and a share of --rows."""
     if args.platform == "cuda":
         devices = torch.cuda.device_count()
         too_wide = [name for name in args.layouts if LAYOUTS[name].ranks > devices]
@@ -1111,10 +1240,6 @@ def _check_layouts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
             p.error(f"--platform cuda: layouts {', '.join(too_wide)} need more ranks than the {devices} visible GPU(s); "
                     "choose layouts that fit, e.g. --layouts single")
     for name in args.layouts:
-        if args.max_tokens and LAYOUTS[name].train.pp > 1:
-            p.error(f"--max-tokens with layout {name}: micro-batches of different lengths need megatron's variable "
-                    "sequence lengths in the pipeline, which the CPU path's allgather MoE dispatcher turns off; "
-                    "choose layouts without PP")
         dp = LAYOUTS[name].dp
         if args.rows % (dp * args.micro_batch):
             p.error(f"--rows {args.rows} must split into DP{dp} x --micro-batch {args.micro_batch} for layout {name}")
@@ -1145,7 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
                 if result["skipped"]:
                     print(f"[{name}] warning: {result['skipped']} rank-steps were skipped (non-finite)", file=sys.stderr)
                 results.append(result)
-    threads_note = threads_policy(args.threads, [LAYOUTS[name] for name in args.layouts])
+    threads_note = threads_policy(args.threads, args.layouts)
     body = report(results, command_line(SCRIPT, argv), shape, args.steps, threads_note, load_before, args, model)
     publish(body, args.out, SCRIPT, "Actor throughput")
     return 0

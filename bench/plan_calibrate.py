@@ -524,7 +524,7 @@ def _config(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.actor_throughput import LAYOUTS
+    from bench.actor_throughput import LAYOUTS, TABLE_LAYOUTS
 
     p = argparse.ArgumentParser(prog=f"python {SCRIPT}", description=__doc__.split("\n\n``probe``")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -540,8 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "docs/bench_plan.md")
     cmp = sub.add_parser("compare",
                          help="predicted against measured train step for bench/actor_throughput.py's layouts")
-    cmp.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS), metavar="LAYOUT",
-                     help=f"layouts (default: all: {', '.join(LAYOUTS)})")
+    cmp.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(TABLE_LAYOUTS), metavar="LAYOUT",
+                     help=f"layouts (default: bench/actor_throughput.py's table: {', '.join(TABLE_LAYOUTS)})")
     cmp.add_argument("--steps", type=int, default=5, help="measured steps per layout, after one warm-up (default 5)")
     cmp.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the bench's)")
     cmp.add_argument("--sheets", type=Path, default=SHEETS, help="the probe's sheets (default bench/calibration)")
