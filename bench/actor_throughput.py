@@ -788,9 +788,7 @@ def measure_lengths(rank: int, layout: str, variant: str, checkpoint: str, seq_l
     initialize_parallel(train)
     actor = build_actor(train, checkpoint, dtype, active().name, v.pack)
     on_device = actor.device.type == "cuda"
-    # The counter is a dispatch mode, under which torch cannot build a tensor subclass: the
-    # context-parallel attention's unpacked path builds torch's CausalBias in every layer.
-    counts = not on_device and (train.cp == 1 or actor.packs)
+    counts = not on_device
     loaded = current_rss_mib()
     path = f"{progress}.rank{rank}.jsonl"
     _append(path, {"kernels": actor.kernels.describe(), "packs": actor.packs, "threads": torch.get_num_threads(),

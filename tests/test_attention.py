@@ -123,3 +123,29 @@ def _packed_rope(rank, world_size):
 def test_packed_rope_in_one_call_equals_megatrons_loop_over_sequences(tmp_path):
     (result,) = run_ranks(_packed_rope, 1, tmp_path)
     assert result == {"replaced": True, "equal": True, "restarts": True}
+
+
+@pytest.mark.parametrize("prefix", [8, 24])
+def test_a_cp_chunk_attends_to_its_prefix_without_a_dense_mask(prefix):
+    """A CP rank's chunk of 16 queries over the keys up to its end (``prefix`` earlier keys, then its
+    own): on the CPU two flash calls merged by their log-sum-exp, equal to SDPA with torch's
+    bottom-right causal mask in output and every input's gradient (grouped-query heads: 8 to 2)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from megatron_bridge.runtime.attention import _PrefixThenCausal
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 16, 32, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, prefix + 16, 32, generator=g, requires_grad=True) for _ in range(2))
+    scale = 32 ** -0.5
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(16, prefix + 16), scale=scale,
+                                          enable_gqa=True)
+    got = _PrefixThenCausal.apply(q, k, v, scale)
+    grad = torch.randn(want.shape, generator=g)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    # fp32, sums over at most 40 keys: rounding only (measured below 1e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=rounding(float(want.abs().max()), prefix + 16))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=rounding(float(b.abs().max()), 2 * (prefix + 16)))

@@ -14,7 +14,8 @@ so a causal mask alone keeps every real token from seeing padding. Packed micro-
 With context parallel (CP > 1) each rank holds megatron's load-balanced chunks r and 2 CP - 1 - r of
 every sequence (``megatron_bridge.runtime.context_parallel``). K and V are all-gathered over the CP
 group, and each local chunk of queries attends to the keys up to its own end (the causal mask
-aligned at the bottom right); backward sums the K/V gradients back to their ranks. All-gather
+aligned at the bottom right, never materialised: ``_attend_to_prefix``); backward sums the K/V
+gradients back to their ranks. Packed micro-batches go one sequence at a time. All-gather
 rather than a ring: K/V are the small side under grouped-query attention (Qwen3-30B-A3B: 4 K/V
 heads to 32 query heads, so a whole sequence's K/V is 1/4 of the local queries' size at CP 2), it
 is one collective per layer that any backend has (gloo included), and the result is exact
@@ -56,6 +57,9 @@ class SDPAttention(MegatronModule):
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp = config.context_parallel_size
+        if self.cp > 1 and self.dropout:
+            raise ValueError(f"SDPAttention with context_parallel_size={self.cp} has no attention dropout "
+                             f"(attention_dropout={self.dropout}); the actor builds the model without it")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 attn_mask_type: AttnMaskType | None = None, attention_bias=None,
@@ -89,22 +93,26 @@ class SDPAttention(MegatronModule):
         for part, start in enumerate(context_parallel.held(seq_len)[::chunk].tolist()):
             q = query[part * chunk:(part + 1) * chunk].permute(1, 2, 0, 3)
             k, v = (t[: start + chunk].permute(1, 2, 0, 3) for t in (key, value))
-            outs.append(self._attend(q, k, v, causal_lower_right(chunk, start + chunk)))
+            outs.append(self._attend_to_prefix(q, k, v))
         return torch.cat(outs, dim=2).permute(2, 0, 1, 3)
 
     def _packed_context_parallel(self, query, key, value, packed: PackedSeqParams) -> torch.Tensor:
         """``thd`` with each sequence split over CP (``cu_seqlens_q``: the whole packed sequence's
-        boundaries): this rank's tokens attend to the earlier tokens of their own sequence."""
-        bounds = packed.cu_seqlens_q
-        total = query.shape[0] * self.cp
-        held = context_parallel.held(total, bounds, device=query.device)
-        key, value = (context_parallel.gather_sequence(t, total, bounds) for t in (key, value))
-        everywhere = torch.arange(total, device=query.device)
-        sequence = torch.searchsorted(bounds, everywhere, right=True)
-        mask = (sequence[held][:, None] == sequence[None, :]) & (everywhere[None, :] <= held[:, None])
-        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, tokens, d]
-        out = self._attend(q, k, v, mask).squeeze(0).permute(1, 0, 2)
-        return out.reshape(query.shape[0], 1, -1)
+        boundaries): each of this rank's chunks attends to its own sequence's keys up to the chunk's
+        end, one sequence at a time (CP is for few long sequences)."""
+        bounds = packed.cu_seqlens_q.tolist()
+        key, value = (context_parallel.gather_sequence(t, query.shape[0] * self.cp, packed.cu_seqlens_q)
+                      for t in (key, value))
+        outs, row = [], 0
+        for first, end in zip(bounds[:-1], bounds[1:]):
+            chunk = (end - first) // (2 * self.cp)
+            starts = context_parallel.held(end - first)[::chunk].tolist() if chunk else []
+            for start in starts:
+                q = query[row:row + chunk].permute(1, 0, 2).unsqueeze(0)  # [1, heads, chunk, d]
+                k, v = (t[first:first + start + chunk].permute(1, 0, 2).unsqueeze(0) for t in (key, value))
+                outs.append(self._attend_to_prefix(q, k, v).squeeze(0).permute(1, 0, 2))
+                row += chunk
+        return torch.cat(outs).reshape(query.shape[0], 1, -1)
 
     def _packed(self, query, key, value, packed: PackedSeqParams) -> torch.Tensor:
         """``thd``: [t, n, d] with sequences back to back (``cu_seqlens_q``); each attends to itself.
@@ -129,6 +137,49 @@ class SDPAttention(MegatronModule):
         q, k, v = (t[index].permute(0, 2, 1, 3) for t in (query, key, value))  # [rows, heads, longest, d]
         out = self._attend(q, k, v).permute(0, 2, 1, 3)[real]  # the rows' own tokens, back to back
         return out.reshape(query.shape[0], 1, -1)
+
+    def _attend_to_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Queries [B, heads, c, d] at the last c of the keys' [B, groups, L, d] positions: each sees
+        the keys up to its own. On the CPU two flash-attention calls merged by their log-sum-exp
+        (``_PrefixThenCausal``): there torch's bottom-right causal mask is a dense mask of [c, L]
+        that every layer would keep. Elsewhere that mask is the flash kernel's own alignment."""
+        prefix = k.shape[2] - q.shape[2]
+        if prefix == 0:
+            return self._attend(q, k, v)
+        if q.device.type == "cpu":
+            return _PrefixThenCausal.apply(q.contiguous(), k, v, self.scale)
+        return self._attend(q, k, v, causal_lower_right(q.shape[2], k.shape[2]))
+
+
+class _PrefixThenCausal(torch.autograd.Function):
+    """CPU attention of queries [B, h, c, d] over keys and values [B, g, P + c, d] whose last c are
+    the queries' own positions: all of the first P, causally the last c. Two calls of the CPU flash
+    kernel (grouped-query heads as they are) merged by their log-sum-exp, as ring attention merges
+    its blocks; backward runs the kernel's backward of each part from the merged output and
+    log-sum-exp, so no [c, P + c] tensor is kept, only the inputs, the output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        prefix = k.shape[2] - q.shape[2]
+        # views of the gathered K/V (the kernel takes any strides): saving them keeps no copy
+        parts = [k[:, :, :prefix], v[:, :, :prefix], k[:, :, prefix:], v[:, :, prefix:]]
+        out_p, lse_p = flash(q, parts[0], parts[1], 0.0, False, scale=scale)
+        out_c, lse_c = flash(q, parts[2], parts[3], 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_p, lse_c)
+        out = (out_p * (lse_p - lse).exp().unsqueeze(-1) + out_c * (lse_c - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, *parts, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k_p, v_p, k_c, v_c, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq_p, dk_p, dv_p = backward(grad, q, k_p, v_p, out, lse, 0.0, False, scale=ctx.scale)
+        dq_c, dk_c, dv_c = backward(grad, q, k_c, v_c, out, lse, 0.0, True, scale=ctx.scale)
+        return dq_p + dq_c, torch.cat([dk_p, dk_c], dim=2), torch.cat([dv_p, dv_c], dim=2), None
 
 
 @functools.cache
