@@ -86,6 +86,7 @@ def test_mindspeeds_context_parallel_algo_reaches_the_layout_as_verl_hands_it_to
     # is, so MindSpeed's context_parallel_algo is written there
     cfg = load_config(BIG, VERL_GSPO_NPU + [
         "reward_model.overlong_buffer.enable=false", "actor_rollout_ref.actor.megatron.context_parallel_size=4",
+        "actor_rollout_ref.model.use_remove_padding=false",  # packed CP has not run on the NPU
         "+actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo=hybrid_cp_algo",
         "+actor_rollout_ref.actor.megatron.override_transformer_config.ulysses_degree_in_cp=2"])
     train = cfg.layout.train

@@ -41,13 +41,14 @@ def layout(train: TrainParallel, world_size: int) -> Layout:
 
 def candidates(world_size: int):
     """Every combination of the parallel settings on this world size; sequence parallel as TP
-    needs it (the other choice breaks a rule whatever the rest)."""
+    needs it (the other choice breaks a rule whatever the rest). Context parallel splits sequences,
+    not layers: CP > 1 goes with the default pipeline split only (the split's variants run at CP 1)."""
     sizes = divisors(world_size)
     stage_layers = (None, *range(1, TINY.num_layers))
     for tp, pp, cp, ep, etp in product(sizes, repeat=5):
-        for vpp, first, last, embedding, loss in product(
-            (None, *range(2, TINY.num_layers + 1)), stage_layers, stage_layers, (False, True), (False, True)
-        ):
+        splits = product((None, *range(2, TINY.num_layers + 1)), stage_layers, stage_layers, (False, True),
+                         (False, True)) if cp == 1 else [(None, None, None, False, False)]
+        for vpp, first, last, embedding, loss in splits:
             yield TrainParallel(
                 tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sequence_parallel=tp > 1,
                 first_stage_layers=first, last_stage_layers=last,
@@ -65,7 +66,7 @@ def accepted(world_size: int) -> list[TrainParallel]:
 
 
 def name(t: TrainParallel) -> str:
-    parts = [f"tp{t.tp}", f"pp{t.pp}", f"ep{t.ep}", f"etp{t.expert_tp}"]
+    parts = [f"tp{t.tp}", f"pp{t.pp}", f"ep{t.ep}", f"etp{t.expert_tp}"] + ([f"cp{t.cp}"] if t.cp > 1 else [])
     parts += [f"vpp{t.vpp}"] if t.vpp else []
     parts += [f"first{t.first_stage_layers}"] if t.first_stage_layers else []
     parts += [f"last{t.last_stage_layers}"] if t.last_stage_layers else []
@@ -83,7 +84,8 @@ def test_the_sweep_enumerates_every_setting_and_drops_what_megatron_breaks_on():
         layouts = accepted(w)
         assert layouts[0] == TrainParallel(etp=1)
         assert {t.tp for t in layouts} == {t.pp for t in layouts} == {t.ep for t in layouts} == set(divisors(w))
-        assert {t.expert_tp for t in layouts} == set(divisors(w))
+        assert {t.expert_tp for t in layouts} == {t.cp for t in layouts} == set(divisors(w))
+        assert w == 2 or any(t.cp > 1 and t.tp > 1 for t in layouts) and any(t.cp > 1 and t.ep > 1 for t in layouts)
         assert {t.vpp for t in layouts} == {None, 2, 3}  # VPP3: 4 layers + embedding + loss on PP2
         assert any(t.first_stage_layers for t in layouts) and any(t.last_stage_layers for t in layouts)
         assert any(t.account_for_embedding_in_pipeline_split and t.pp > 1 for t in layouts)
@@ -94,7 +96,6 @@ def test_the_sweep_enumerates_every_setting_and_drops_what_megatron_breaks_on():
         TrainParallel(etp=2),  # a wrong gradient
         TrainParallel(pp=2, etp=1, first_stage_layers=1, last_stage_layers=3),  # ZeroDivisionError
         TrainParallel(pp=2, vpp=2, etp=1, last_stage_layers=2),  # layers built twice: wrong log-probs
-        TrainParallel(cp=2, etp=1),  # no context-parallel data path yet
     ]
     two = set(candidates(2))
     assert all(t in two for t in known_bad) and not set(known_bad) & set(accepted(2))
