@@ -28,7 +28,10 @@ the cores as the 4-rank layouts do):
   rest of the model (the 1-layer model less that layer: embedding, output layer and the actor's
   chunked log-probs, ``loss.vocab_parallel``, on half of each row) less the output layer's FLOPs
   at that rate, a fixed cost per micro-batch (the median over the lengths);
-- the memory copy rate (``Tensor.copy_`` of 32 MiB, read + write).
+- the memory copy rate (``Tensor.copy_`` of 32 MiB, read + write);
+
+all after one all-gather of the model's parameters, as the actor's distributed optimizer runs at the
+end of every optimizer step (``bench/cpu_threads.py``: one rank on all the cores runs slower after it).
 
 and writes each as a hardware sheet (configs/hardware's format; ``kind: measured``, ``by: probe``,
 the fixed costs under ``overheads``) that ``python -m megatron_bridge.plan check --hardware PATH``
@@ -219,12 +222,24 @@ def _copy_rate(repeats: int) -> float:
     return 2 * COPY_BYTES / _median_seconds(lambda: dst.copy_(src), repeats)
 
 
+def _parameter_gather(model) -> None:
+    """One gloo all-gather of the model's parameter buffer, as megatron's DistributedOptimizer runs
+    after every optimizer step (also at DP 1), so that the layers are timed in the state the actor's
+    are: on a rank whose intra-op threads take all the cores, OpenMP runs slower after it for the rest
+    of the process (bench/cpu_threads.py)."""
+    import torch.distributed as dist
+
+    local = torch.zeros(sum(p.numel() for p in model.parameters()))
+    dist.all_gather_into_tensor(torch.empty(dist.get_world_size() * local.numel()), local)
+
+
 def probe_rank(rank: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     spec = load_model_spec(MODEL)
     collectives = _collectives(repeats) if dist.get_world_size() > 1 else []
     models = _build_models(spec)
+    _parameter_gather(models[2])
     between = _between_compute(models[1], spec, repeats) if dist.get_world_size() > 1 else []
     dist.barrier()
     layers = _layer_times(spec, models, repeats)
