@@ -17,8 +17,11 @@ the cores as the 4-rank layouts do):
   the local buffer through each rank, an all-to-all (n-1)/n of it:
   ``megatron_bridge.plan.collectives``); then the same calls of 16 and 64 KiB each after a forward
   of one decoder layer, as the actor issues them: what a call adds there, less its bytes at that
-  rate, is the sheet's latency (it includes waiting for a peer held up by its compute or by the
-  scheduler, which back-to-back calls never do);
+  rate, is the sheet's latency where every rank has a core of its own (it includes waiting for a
+  peer held up by its compute or by the scheduler, which back-to-back calls never do); where the
+  ranks share the cores at least two a core (4 x 1 on 2 cores) a waiting rank sleeps while another
+  computes on its core, so the sheet's latency is the back-to-back one and the sheet says
+  ``ranks_share_cores`` (the planner then counts no pipeline bubble);
 - one decoder layer of the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, megatron's
   GPTModel with the kernels the CPU actor builds: torch SDPA, grouped-GEMM experts, fp32), as the
   difference between a 2-layer and a 1-layer model, forward and backward separately, at 4 rows of
@@ -308,6 +311,19 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
     def figure(value: float, source: str) -> dict:
         return {"value": float(f"{value:.4g}"), "kind": "measured", "by": "probe", "source": source}
 
+    # With a core each, a call's wait for a peer still computing is time the step loses: the latency
+    # between compute. Ranks that share the cores, at least two a core, sleep in that wait while
+    # another rank computes on their core (the layer rate was measured with every rank busy): the
+    # call costs what it costs back to back, and a pipeline stage's bubble costs nothing.
+    shared = ranks * threads >= 2 * cpu_cores()
+    latency_s = col["latency_s"] if shared else links.get("between_latency_s", col["latency_s"])
+    latency_words = (f"the back-to-back fit's intercept: {ranks} x {threads} threads share {cpu_cores()} cores, so a "
+                     f"rank waiting for a peer leaves its core to the others (between compute a call adds "
+                     f"{links.get('between_latency_s', float('nan')) * 1e6:.0f} us)" if shared else
+                     "what a gloo call adds between two forwards of a decoder layer, less its bytes at the fitted rate "
+                     f"(back to back the fit's intercept is {col['latency_s'] * 1e6:.0f} us)"
+                     f"{'' if own else ' (2-rank probe)'}")
+
     data = {
         "device": "cpu",
         "bf16_tflops": figure(layer["flops_s"] / 1e12,
@@ -319,15 +335,14 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
         "intra_node_gb_s": figure(col["bytes_s"] / GB, link_source),
         "inter_node_gb_s": figure(col["bytes_s"] / GB, "one node: the same figure as intra_node_gb_s"),
         "overheads": {
-            "collective_latency_us": float(f"{links.get('between_latency_s', col['latency_s']) * 1e6:.4g}"),
+            "collective_latency_us": float(f"{latency_s * 1e6:.4g}"),
             "layer_forward_us": float(f"{max(0.0, layer['fixed_fwd_s']) * 1e6:.4g}"),
             "layer_backward_us": float(f"{max(0.0, layer['fixed_bwd_s']) * 1e6:.4g}"),
             "micro_batch_forward_us": float(f"{max(0.0, layer['rest_fwd_s']) * 1e6:.4g}"),
             "micro_batch_backward_us": float(f"{max(0.0, layer['rest_bwd_s']) * 1e6:.4g}"),
+            "ranks_share_cores": shared,
             "by": "probe",
-            "source": f"{where}; latency: what a gloo call adds between two forwards of a decoder layer, less its "
-                      f"bytes at the fitted rate (back to back the fit's intercept is {col['latency_s'] * 1e6:.0f} us)"
-                      f"{'' if own else ' (2-rank probe)'}; layer: the "
+            "source": f"{where}; latency: {latency_words}; layer: the "
                       "fixed cost per micro-batch of the decoder layer fit; micro_batch: the 1-layer model with "
                       "the log-probs less its layer, less the output layer's FLOPs at the layer's rate (median "
                       "over the lengths)",

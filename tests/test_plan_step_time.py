@@ -83,6 +83,21 @@ def test_the_predicted_bubble_is_that_fraction_of_the_schedule():
     assert one / (per_opt * train.stage_seconds + one) == pytest.approx(bubble_fraction(4, None, per_opt))
 
 
+def test_ranks_that_share_the_cores_lose_no_time_in_the_bubble(tmp_path):
+    """A sheet whose ranks share the cores (the probe's 4 x 1 on 2 cores) counts no bubble, and only
+    the bubble changes: the idle stage's cores run the busy stage."""
+    lay = layout(pp=4, ep=8)
+    shared = replace(RATES, ranks_share_cores=True)
+    own, busy = (step_time.predict(Q30, lay, RECIPE, r, Assumptions()).seconds for r in (RATES, shared))
+    assert own["pipeline_bubble"] > 0 and busy["pipeline_bubble"] == 0
+    assert {k: v for k, v in busy.items() if k != "pipeline_bubble"} == {k: v for k, v in own.items() if k != "pipeline_bubble"}
+    sheet = tmp_path / "cpu.yaml"
+    sheet.write_text("device: cpu\n" + "".join(f"{k}: {{value: 1, kind: measured, by: probe, source: a probe}}\n" for k in
+                     ("bf16_tflops", "hbm_gb_s", "intra_node_gb_s", "inter_node_gb_s"))
+                     + "overheads: {collective_latency_us: 100, ranks_share_cores: true}\n")
+    assert Rates.of(load_hardware(str(sheet)), Assumptions()).ranks_share_cores is True
+
+
 def test_gradient_reduce_scatter_and_parameter_all_gather_bytes():
     # W=16, TP2 PP1 EP8 ETP1: dense over DP*CP = 8, experts over EDP = 2 (the memory test's layout)
     lay = layout(tp=2, ep=8, cluster=Cluster(nnodes=2, devices_per_node=8))

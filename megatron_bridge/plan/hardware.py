@@ -45,6 +45,9 @@ class Overheads:
     # output layer's FLOPs
     micro_batch_forward_us: float = 0.0
     micro_batch_backward_us: float = 0.0
+    # the ranks measured share the cores, at least two a core: a rank that waits (a pipeline stage in
+    # the bubble) leaves its core to the others (step_time.bubble_seconds)
+    ranks_share_cores: bool = False
     by: str = "probe"
     source: str = ""
 
@@ -134,6 +137,7 @@ class Rates:
     layer_backward: float = 0.0  # the same, backward
     micro_batch_forward: float = 0.0  # seconds per micro-batch outside the layers, forward (Overheads)
     micro_batch_backward: float = 0.0  # the same, backward
+    ranks_share_cores: bool = False  # (Overheads)
 
     @classmethod
     def of(cls, hw: Hardware | None, assume: Assumptions, given: Overrides = Overrides()) -> "Rates | None":
@@ -161,4 +165,4 @@ class Rates:
         return cls(*values, hardware=hw.name if hw else "command line", latency=fixed.collective_latency_us * 1e-6,
                    layer_forward=fixed.layer_forward_us * 1e-6, layer_backward=fixed.layer_backward_us * 1e-6,
                    micro_batch_forward=fixed.micro_batch_forward_us * 1e-6,
-                   micro_batch_backward=fixed.micro_batch_backward_us * 1e-6)
+                   micro_batch_backward=fixed.micro_batch_backward_us * 1e-6, ranks_share_cores=fixed.ranks_share_cores)

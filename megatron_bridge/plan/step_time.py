@@ -22,7 +22,8 @@ whose actor builds megatron's allgather MoE dispatcher, its 4 launches forward a
 TP x EP in place of the all-to-all; under TP the embedding's, the output layer's and the log-probs'
 launches (``edge_launches``); a pipeline send;
 one reduce-scatter and one all-gather, or one all-reduce, per gradient group, the buffers taken as
-one bucket), each decoder layer's per-micro-batch forward and backward cost beyond its FLOPs
+one bucket; where the sheet's ranks share the cores, at least two a core, no pipeline bubble:
+``bubble_seconds``), each decoder layer's per-micro-batch forward and backward cost beyond its FLOPs
 (on a device of a few cores, Python and kernel launches), and the rest of the model's (embedding,
 output layer, log-probs; counted on the last stage). Not counted: the optimizer step, the
 offload to and from the host, expert load imbalance, smaller GEMMs' lower efficiency at higher TP,
@@ -114,10 +115,13 @@ class StepTime:
     assumptions: Assumptions
 
 
-def bubble_seconds(pp: int, vpp: int | None, stage_seconds: float) -> float:
+def bubble_seconds(pp: int, vpp: int | None, stage_seconds: float, ranks_share_cores: bool = False) -> float:
     """A pipeline schedule's idle time on a stage: (PP-1)/VPP micro-batches' worth (1F1B: VPP=1;
-    Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters', §2.2)."""
-    return (pp - 1) / (vpp or 1) * stage_seconds
+    Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters', §2.2).
+    None where the ranks share the cores at least two a core (a sheet's ``ranks_share_cores``): the
+    idle stage's cores run the busy stage, whose compute was priced at the rate of every rank busy,
+    so the step is its ranks' work over the cores, bubble or not."""
+    return 0.0 if ranks_share_cores else (pp - 1) / (vpp or 1) * stage_seconds
 
 
 def bubble_fraction(pp: int, vpp: int | None, micro_batches: int) -> float:
@@ -375,7 +379,7 @@ def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, a
     # overlapped, each sync hides behind one micro-batch's compute (the last backward, the first forward)
     hide = train.compute if assume.overlap_grad_sync else 0.0
     return {**{k: per_opt * getattr(train, k) for k in PASS_TERMS},
-            "pipeline_bubble": bubble_seconds(t.pp, t.vpp, train.stage_seconds),
+            "pipeline_bubble": bubble_seconds(t.pp, t.vpp, train.stage_seconds, rates.ranks_share_cores),
             "gradient_sync": max(0.0, sync.reduce_seconds - hide),
             "parameter_gather": max(0.0, sync.gather_seconds - hide)}
 
@@ -386,7 +390,7 @@ def log_prob_pass(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates) ->
     per_pass = math.ceil(math.ceil(w.global_batch / _replicas(layout)) / w.micro_batch_size)
     forward = _slowest(spec, layout, w, rates, False)
     return {**{k: per_pass * getattr(forward, k) for k in PASS_TERMS},
-            "pipeline_bubble": bubble_seconds(t.pp, t.vpp, forward.stage_seconds)}
+            "pipeline_bubble": bubble_seconds(t.pp, t.vpp, forward.stage_seconds, rates.ranks_share_cores)}
 
 
 def predict(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, assume: Assumptions) -> StepTime:
