@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform as host
+import statistics
 import sys
 import tempfile
 import time
@@ -145,6 +146,18 @@ def _rank_entry(rank: int, world: int, port: int, out_dir: str, threads: int, pl
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(measure(rank, *args)))
     finally:
         dist.destroy_process_group()
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """``fn``'s median wall seconds over ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def load_before_run() -> float:

@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,15 +29,18 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the pac
 
 import torch  # noqa: E402
 
-from bench.common import check_out, command_line, load_before_run, machine_facts, publish, run_ranks, save_model  # noqa: E402
+from bench.common import (  # noqa: E402
+    check_out, command_line, load_before_run, machine_facts, median_seconds, publish, run_ranks, save_model,
+)
 
 SCRIPT = "bench/cpu_threads.py"
 WAIT_POLICIES = ("default", "PASSIVE")
+WARMUP = 2  # untimed passes before the timed ones
 
 
 def _passes(model, micro_batches: list[dict], vocab_size: int, repeats: int) -> dict[str, float]:
     """Median seconds of forward + log-probs + backward over the micro-batches, and the voluntary
-    context switches per timed repeat."""
+    context switches per pass (warm-ups included)."""
     from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
     def once():
@@ -52,16 +53,10 @@ def _passes(model, micro_batches: list[dict], vocab_size: int, repeats: int) -> 
                                                                 ids.flatten()[scored], 1.0, True, reuse_logits=True)
             log_probs.mean().backward()
 
-    for _ in range(2):  # warm-up
-        once()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - start)
+    seconds = median_seconds(once, repeats, WARMUP)
     switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
-    return {"s": statistics.median(times), "switches": switches / repeats}
+    return {"s": seconds, "switches": switches / (WARMUP + repeats)}
 
 
 def measure(rank: int, checkpoint: str, repeats: int) -> dict:
@@ -111,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python {SCRIPT}", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra-op threads (default 1 2)")
-    p.add_argument("--repeats", type=int, default=9, help="timed passes after 2 warm-ups (default 9)")
+    p.add_argument("--repeats", type=int, default=9, help=f"timed passes after {WARMUP} warm-ups (default 9)")
     p.add_argument("--out", type=Path, default=None, help="markdown file whose generated block to (re)write")
     args = p.parse_args(argv)
     if args.repeats < 1 or min(args.threads) < 1:
@@ -131,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         *machine_facts("per row: one gloo rank with torch.set_num_threads(THREADS)", load_before),
         f"- the tiny Qwen3-MoE as bench/actor_throughput.py's `single` layout builds it; its default batch's "
         f"{len(rows[0]['shape'])} micro-batches of {rows[0]['shape'][0]} (rows, tokens); forward, log-probs and "
-        f"backward, no optimizer; median of {args.repeats} passes after 2 warm-ups",
+        f"backward, no optimizer; median of {args.repeats} passes after {WARMUP} warm-ups",
         "- the gather: `start_param_sync()` on the model chunk (what megatron's DistributedOptimizer runs after "
         "each optimizer step)",
         "",

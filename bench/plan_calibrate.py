@@ -59,7 +59,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: bench/ is on sys.path, the packages are not
@@ -69,7 +69,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    check_out, command_line, cpu_cores, load_before_run, machine_facts, publish, run_ranks, save_model,
+    check_out, command_line, cpu_cores, load_before_run, machine_facts, median_seconds, publish, run_ranks,
+    save_model,
 )
 from megatron_bridge.plan import flops  # noqa: E402
 from megatron_bridge.plan.hardware import GB  # noqa: E402
@@ -105,17 +106,6 @@ def bench_configs() -> list[tuple[int, int]]:
 # --- the probe, in each rank -------------------------------------------------------------------------
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _collectives(repeats: int) -> list[dict]:
     """Seconds per call of an all-gather and an all-to-all of each size (every rank calls them
     back to back, so a call's time includes waiting for the slowest peer)."""
@@ -128,11 +118,11 @@ def _collectives(repeats: int) -> list[dict]:
         gathered = torch.empty(n * x.numel())
         a2a = torch.empty_like(x) if x.numel() % n == 0 else None
         dist.barrier()
-        seconds = _median_seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
+        seconds = median_seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
         out.append({"op": "all_gather", "local_bytes": local, "through_bytes": local * (n - 1), "s": seconds})
         if a2a is not None:
             dist.barrier()
-            seconds = _median_seconds(lambda: dist.all_to_all_single(a2a, x), repeats)
+            seconds = median_seconds(lambda: dist.all_to_all_single(a2a, x), repeats)
             out.append({"op": "all_to_all", "local_bytes": local, "through_bytes": local * (n - 1) / n, "s": seconds})
     return out
 
@@ -154,7 +144,7 @@ def _between_compute(model, spec: ModelSpec, repeats: int) -> list[dict]:
             model(input_ids=ids, position_ids=positions, attention_mask=None)
 
     dist.barrier()
-    alone = _median_seconds(forward, repeats)
+    alone = median_seconds(forward, repeats)
     out = []
     for local in CONTEXT_BYTES:
         x = torch.randn(local // 4)
@@ -162,7 +152,7 @@ def _between_compute(model, spec: ModelSpec, repeats: int) -> list[dict]:
         for op, call, through in (("all_gather", lambda: dist.all_gather_into_tensor(gathered, x), local * (n - 1)),
                                   ("all_to_all", lambda: dist.all_to_all_single(a2a, x), local * (n - 1) / n)):
             dist.barrier()
-            both = _median_seconds(lambda: (forward(), call()), repeats)
+            both = median_seconds(lambda: (forward(), call()), repeats)
             out.append({"op": op, "local_bytes": local, "through_bytes": through, "s": both - alone})
     return out
 
@@ -222,7 +212,7 @@ def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[
 
 def _copy_rate(repeats: int) -> float:
     src, dst = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
-    return 2 * COPY_BYTES / _median_seconds(lambda: dst.copy_(src), repeats)
+    return 2 * COPY_BYTES / median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def _parameter_gather(model) -> None:

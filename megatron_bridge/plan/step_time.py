@@ -118,7 +118,7 @@ class StepTime:
 def bubble_seconds(pp: int, vpp: int | None, stage_seconds: float, ranks_share_cores: bool = False) -> float:
     """A pipeline schedule's idle time on a stage: (PP-1)/VPP micro-batches' worth (1F1B: VPP=1;
     Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters', §2.2).
-    None where the ranks share the cores at least two a core (a sheet's ``ranks_share_cores``): the
+    No idle time where the ranks share the cores at least two a core (a sheet's ``ranks_share_cores``): the
     idle stage's cores run the busy stage, whose compute was priced at the rate of every rank busy,
     so the step is its ranks' work over the cores, bubble or not."""
     return 0.0 if ranks_share_cores else (pp - 1) / (vpp or 1) * stage_seconds
