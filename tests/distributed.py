@@ -49,9 +49,11 @@ def run_ranks(fn, world_size: int, tmp_path, *args, platform_name: str = "cpu") 
 
 
 def reset_parallel_state() -> None:
-    """Drop megatron's groups, and the torch process groups behind them (only the default group
-    is ours), so the next layout starts from nothing in the same ranks (spawning ranks costs more
-    than a layout)."""
+    """Drop megatron's groups, so the next layout starts from its own parallel state in the same
+    ranks (spawning ranks costs more than a layout). The torch process groups behind them stay for
+    the next layout that asks for the same ranks (``_reused_group``): destroying and making them
+    again took about half of a tiny layout's time, and a group is the same whichever megatron role
+    asks for it."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -60,6 +62,23 @@ def reset_parallel_state() -> None:
     # the ranks of the (position) embedding group, so a stale list would put a rank in a group
     # it has no handle of.
     ps._EMBEDDING_GLOBAL_RANKS = ps._POSITION_EMBEDDING_GLOBAL_RANKS = None
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(group)
+    if dist.new_group is not _reused_group:
+        _GROUPS.update(_new_group=dist.new_group)
+        dist.new_group = _reused_group
+
+
+# torch's own new_group, and (ranks, backend) -> the group made for them, in a rank that runs several layouts
+_GROUPS: dict = {}
+
+
+def _reused_group(ranks=None, backend=None, pg_options=None, **kwargs):
+    """``torch.distributed.new_group``, once per rank set: megatron's ``initialize_model_parallel``
+    asks for every group on every rank in the same order, so every rank takes the same groups from
+    here (a group with options of its own is made anew)."""
+    make = lambda: _GROUPS["_new_group"](ranks=ranks, backend=backend, pg_options=pg_options, **kwargs)  # noqa: E731
+    if pg_options is not None:
+        return make()
+    key = (tuple(ranks) if ranks is not None else None, backend)
+    if key not in _GROUPS:
+        _GROUPS[key] = make()
+    return _GROUPS[key]

@@ -187,7 +187,7 @@ def test_stability_presets_set_their_trigger():
 
 
 @pytest.mark.slow
-def test_the_stability_presets_run_in_a_comparison(tmp_path):
+def test_the_stability_presets_run_in_a_comparison(tmp_path, capsys):
     """Both trigger presets end to end in recipe.compare, 2 steps each: under the gap preset the
     engine's bf16 policy differs from the trainer's at every step (the fp32 ceilings of
     tests/test_recipe_learning.py are 1e-5 mean probability gap and 1e-6 k3 KL; bf16 measured 2e-4 and
@@ -224,7 +224,7 @@ def test_the_stability_presets_run_in_a_comparison(tmp_path):
     assert "moe/replay_override/slot_frac" in logs[1][-1] and "moe/replay_override/slot_frac" not in logs[0][-1]
     assert (tmp_path / "offpolicy" / "report" / "report.md").is_file()
     assert summary["plots"]["score.png"] == ["grpo", "gspo_r2"]
-    again = _compare(*args)  # only reads the finished runs and writes the report
+    again = main_in_process(args, capsys, "recipe.compare.runs")  # only reads the finished runs, writes the report
     assert again.returncode == 0 and again.stdout.count("(finished)") == 2 and "== [" not in again.stdout
 
 

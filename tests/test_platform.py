@@ -52,10 +52,39 @@ def test_cpu_adaptor_covers_megatron_cuda_assumptions():
         assert torch.equal(a, torch.rand(3))
         from megatron.core.optimizer import distrib_optimizer
         assert distrib_optimizer.quantize_param_shard([], [], [], None) is None
+        # megatron's fused kernels compile at their first call: nothing imported inductor yet
+        import sys
+        from megatron.core.jit import jit_fuser
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu
+        assert jit_fuser is not torch.compile and bias_gelu.__name__ == 'bias_gelu', jit_fuser
+        assert not any(m.startswith('torch._inductor') for m in sys.modules)
         print('ok')
     """)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+def test_a_deferred_compile_compiles_once_at_the_first_call_with_its_options():
+    from megatron_bridge.runtime.cpu_adaptor import compile_at_first_call
+
+    compiled = []
+
+    def compile_now(model, **options):  # records the compile; "compiles" to the function itself
+        compiled.append(options)
+        return model
+
+    compile_ = compile_at_first_call(compile_now)
+    double = compile_(lambda x: 2 * x, backend="eager")
+
+    @compile_(dynamic=False)
+    def square(x):
+        return x * x
+
+    assert compiled == []
+    assert double(torch.tensor(3.0)) == 6 and double(torch.tensor(4.0)) == 8
+    assert square(torch.tensor(3.0)) == 9 and square.__name__ == "square"
+    assert compiled == [{"backend": "eager"}, {"dynamic": False}]
+    assert float(compile_at_first_call(torch.compile)(lambda x: x + 1, backend="eager")(torch.tensor(1.0))) == 2
 
 
 @pytest.mark.npu

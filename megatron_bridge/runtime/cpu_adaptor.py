@@ -10,6 +10,8 @@ accelerator: it is for tests and the tiny default, never a fallback for a reques
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -96,6 +98,41 @@ def _cover_cuda_runtime() -> None:
     torch.nn.Module.cuda = lambda self, *a, **k: self
 
 
+def compile_at_first_call(compile_now):
+    """``torch.compile`` (given as ``compile_now``) that compiles a function at its first call
+    instead of when it is wrapped: the same function, compiled the same way if it ever runs."""
+
+    def compile_(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return functools.partial(compile_, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return compile_
+
+
+def _import_megatron_with_deferred_compiles() -> None:
+    """megatron-core wraps its fused kernels in ``torch.compile`` as its modules are imported, and
+    that imports dynamo and inductor (about 0.9 s of CPU in every rank, at every start) although a
+    CPU rank never calls those kernels: import megatron here first, with ``compile_at_first_call``."""
+    if "megatron.core.jit" in sys.modules:
+        return
+    compile_now = torch.compile
+    torch.compile = compile_at_first_call(compile_now)
+    try:
+        import megatron.core  # noqa: F401  (megatron.core.jit binds torch.compile as it is imported)
+    finally:
+        torch.compile = compile_now
+
+
 def _cover_megatron() -> None:
     from megatron.core.tensor_parallel import random as mp_random
 
@@ -113,6 +150,7 @@ def install() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("the CPU adaptor must not be installed on a machine with CUDA devices")
     _cover_cuda_runtime()
+    _import_megatron_with_deferred_compiles()
     _cover_megatron()
     # Entered for the life of the process: megatron's calls can come from any module.
     _CudaToCpuMode().__enter__()
