@@ -31,7 +31,12 @@ the cores as the 4-rank layouts do):
   rest of the model (the 1-layer model less that layer: embedding, output layer and the actor's
   chunked log-probs, ``loss.vocab_parallel``, on half of each row) less the output layer's FLOPs
   at that rate, a fixed cost per micro-batch (the median over the lengths);
-- the memory copy rate (``Tensor.copy_`` of 32 MiB, read + write);
+- the actor's optimizer step (``MegatronActor.optimizer_step``: megatron's distributed Adam with
+  the gradient norm, the clip and the parameter all-gather) over the 1- and 2-layer models'
+  parameters, less this rank's share of their Adam bytes at the copy rate and the all-gather of
+  the rest at the gloo fit (``step_time`` counts both): its fixed cost, the median;
+- the memory copy rate (``Tensor.copy_`` of 32 MiB, read + write), at which the planner counts
+  the optimizer's Adam bytes;
 
 all after one all-gather of the model's parameters, as the actor's distributed optimizer runs at the
 end of every optimizer step (``bench/cpu_threads.py``: one rank on all the cores runs slower after it).
@@ -130,9 +135,9 @@ def _collectives(repeats: int) -> list[dict]:
 def _between_compute(model, spec: ModelSpec, repeats: int) -> list[dict]:
     """Seconds a collective adds to a loop of one decoder layer's work (the 1-layer model's forward
     of 4 rows of 128 tokens, no grad) when one call follows each forward, as the actor's collectives
-    sit between its layers' compute: the loop's median per iteration less the forward's alone. Back
-    to back (``_collectives``) the ranks are already in step; between compute each call also waits
-    for the peer that its compute, the scheduler or the cores held up."""
+    sit between its layers' compute: the loop's median per iteration less the forward's alone, the
+    two timed in turns. Back to back (``_collectives``) the ranks are already in step; between
+    compute each call also waits for the peer that its compute, the scheduler or the cores held up."""
     import torch.distributed as dist
 
     n = dist.get_world_size()
@@ -143,8 +148,11 @@ def _between_compute(model, spec: ModelSpec, repeats: int) -> list[dict]:
         with torch.no_grad():
             model(input_ids=ids, position_ids=positions, attention_mask=None)
 
-    dist.barrier()
-    alone = median_seconds(forward, repeats)
+    def seconds(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
     out = []
     for local in CONTEXT_BYTES:
         x = torch.randn(local // 4)
@@ -152,8 +160,16 @@ def _between_compute(model, spec: ModelSpec, repeats: int) -> list[dict]:
         for op, call, through in (("all_gather", lambda: dist.all_gather_into_tensor(gathered, x), local * (n - 1)),
                                   ("all_to_all", lambda: dist.all_to_all_single(a2a, x), local * (n - 1) / n)):
             dist.barrier()
-            both = median_seconds(lambda: (forward(), call()), repeats)
-            out.append({"op": op, "local_bytes": local, "through_bytes": through, "s": both - alone})
+            # the loop with and without the call in turns, so that the machine's drift between them
+            # (another rank's process scheduled in, the clock) falls on both alike
+            alone, both = [], []
+            for rep in range(repeats + 2):  # two warm-ups
+                times = seconds(forward), seconds(lambda: (forward(), call()))
+                if rep >= 2:
+                    alone.append(times[0])
+                    both.append(times[1])
+            out.append({"op": op, "local_bytes": local, "through_bytes": through,
+                        "s": statistics.median(both) - statistics.median(alone)})
     return out
 
 
@@ -226,6 +242,32 @@ def _parameter_gather(model) -> None:
     dist.all_gather_into_tensor(torch.empty(dist.get_world_size() * local.numel()), local)
 
 
+def _optimizer_steps(spec: ModelSpec, repeats: int) -> list[dict]:
+    """Seconds of the actor's optimizer step (``MegatronActor.optimizer_step``: megatron's
+    distributed Adam, with the gradient norm, the clip and the parameter all-gather) over the 1- and
+    2-layer models' parameters, gradients in their buffers; and the parameters this rank updates
+    (1/DP of them: every rank a data-parallel replica)."""
+    import torch.distributed as dist
+
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.runtime.actor import MegatronActor
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.optim import OptimConfig
+
+    out = []
+    for layers in (1, 2):
+        actor = MegatronActor(replace(spec, num_layers=layers), TrainParallel(), BuildOptions(params_dtype=torch.float32),
+                              OptimConfig(lr=1e-6), "cpu")
+        actor.build_optimizer()
+        for chunk in actor.chunks:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                buffer.grad_data.normal_(std=1e-3)
+        params = sum(p.numel() for chunk in actor.chunks for p in chunk.parameters())
+        dist.barrier()
+        out.append({"params": params, "ranks": dist.get_world_size(), "s": median_seconds(actor.optimizer_step, repeats)})
+    return out
+
+
 def probe_rank(rank: int, repeats: int) -> dict:
     import torch.distributed as dist
 
@@ -237,7 +279,9 @@ def probe_rank(rank: int, repeats: int) -> dict:
     dist.barrier()
     layers = _layer_times(spec, models, repeats)
     dist.barrier()
-    return {"collectives": collectives, "between": between, "layers": layers, "copy_bytes_s": _copy_rate(repeats)}
+    optimizer = _optimizer_steps(spec, repeats)
+    return {"collectives": collectives, "between": between, "layers": layers, "optimizer": optimizer,
+            "copy_bytes_s": _copy_rate(repeats)}
 
 
 # --- fits ----------------------------------------------------------------------------------------------
@@ -270,12 +314,27 @@ def fit_layer(points: list[dict]) -> dict[str, float]:
             "rest_bwd_s": rest_bwd}
 
 
+def fit_optimizer(points: list[dict], copy_bytes_s: float, collectives: dict[str, float] | None) -> float:
+    """The optimizer step's fixed cost (seconds): what a step takes beyond its shard's Adam bytes at
+    the copy rate (step_time.optimizer_update_seconds) and its parameter all-gather (fp32, at the
+    probe's back-to-back gloo fit; the planner counts that as its own term), median over the points."""
+    from megatron_bridge.plan.step_time import ADAM_BYTES
+
+    def beyond(p: dict) -> float:
+        n, shard = p["ranks"], p["params"] / p["ranks"]
+        gather = collectives["latency_s"] + (n - 1) * shard * 4 / collectives["bytes_s"] if n > 1 else 0.0
+        return p["s"] - shard * ADAM_BYTES / copy_bytes_s - gather
+
+    return statistics.median(beyond(p) for p in points)
+
+
 def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
     """Every rank's points (medians per rank), the fits over all of them."""
     collectives = [p for r in ranks for p in r["collectives"]]
     layers = [p for r in ranks for p in r["layers"]]
     out: dict[str, Any] = {"layer": fit_layer(layers), "layer_points": layers, "collective_points": collectives,
-                           "copy_bytes_s": statistics.median(r["copy_bytes_s"] for r in ranks)}
+                           "copy_bytes_s": statistics.median(r["copy_bytes_s"] for r in ranks),
+                           "optimizer_points": [p for r in ranks for p in r["optimizer"]]}
     if collectives:
         out["collectives"] = fit_collectives(collectives)
         out["by_op"] = {op: fit_collectives([p for p in collectives if p["op"] == op])
@@ -285,6 +344,7 @@ def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
             rate = out["collectives"]["bytes_s"]
             out["between_latency_s"] = statistics.median(p["s"] - p["through_bytes"] / rate for p in between)
             out["between_points"] = between
+    out["optimizer_fixed_s"] = fit_optimizer(out["optimizer_points"], out["copy_bytes_s"], out.get("collectives"))
     return out
 
 
@@ -330,12 +390,15 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
             "layer_backward_us": float(f"{max(0.0, layer['fixed_bwd_s']) * 1e6:.4g}"),
             "micro_batch_forward_us": float(f"{max(0.0, layer['rest_fwd_s']) * 1e6:.4g}"),
             "micro_batch_backward_us": float(f"{max(0.0, layer['rest_bwd_s']) * 1e6:.4g}"),
+            "optimizer_step_us": float(f"{max(0.0, fit['optimizer_fixed_s']) * 1e6:.4g}"),
             "ranks_share_cores": shared,
             "by": "probe",
             "source": f"{where}; latency: {latency_words}; layer: the "
                       "fixed cost per micro-batch of the decoder layer fit; micro_batch: the 1-layer model with "
                       "the log-probs less its layer, less the output layer's FLOPs at the layer's rate (median "
-                      "over the lengths)",
+                      "over the lengths); optimizer_step: the actor's optimizer step over the 1- and 2-layer "
+                      "models less its Adam bytes at hbm_gb_s and its fp32 parameter all-gather at the back-to-back "
+                      "gloo fit (median)",
         },
     }
     header = (f"# Rates of this machine's CPU gloo ranks ({ranks} x {threads}), MEASURED by:\n#   {command}\n"
@@ -385,7 +448,8 @@ def describe_fit(fit: dict) -> str:
     layer = fit["layer"]
     words = (f"layer {layer['flops_s'] / 1e9:.2f} GFLOP/s + {layer['fixed_fwd_s'] * 1e3:.2f} ms fwd / "
              f"{layer['fixed_bwd_s'] * 1e3:.2f} ms bwd fixed; rest of the model {layer['rest_fwd_s'] * 1e3:.2f} / "
-             f"{layer['rest_bwd_s'] * 1e3:.2f} ms; copy {fit['copy_bytes_s'] / GB:.1f} GB/s")
+             f"{layer['rest_bwd_s'] * 1e3:.2f} ms; optimizer step {fit['optimizer_fixed_s'] * 1e3:.2f} ms fixed; "
+             f"copy {fit['copy_bytes_s'] / GB:.1f} GB/s")
     if "collectives" in fit:
         c = fit["collectives"]
         words += (f"; gloo {c['latency_s'] * 1e6:.0f} us + bytes / {c['bytes_s'] / GB:.2f} GB/s back to back, "
@@ -395,9 +459,9 @@ def describe_fit(fit: dict) -> str:
 
 def probe_table(fits: dict) -> str:
     lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
-             "rest of the model fwd (ms) | rest bwd (ms) | gloo latency between compute (us) | gloo latency back "
-             "to back (us) | gloo rate (GB/s) | all-gather fit | all-to-all fit | copy (GB/s) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
+             "rest of the model fwd (ms) | rest bwd (ms) | optimizer step fixed (ms) | gloo latency between compute "
+             "(us) | gloo latency back to back (us) | gloo rate (GB/s) | all-gather fit | all-to-all fit | copy (GB/s) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
     for (ranks, threads), fit in sorted(fits.items()):
         layer = fit["layer"]
         if "collectives" in fit:
@@ -410,7 +474,8 @@ def probe_table(fits: dict) -> str:
             cells = ["—"] * 5
         lines.append(f"| {ranks} x {threads} | {layer['flops_s'] / 1e9:.2f} | {layer['fixed_fwd_s'] * 1e3:.2f} | "
                      f"{layer['fixed_bwd_s'] * 1e3:.2f} | {layer['rest_fwd_s'] * 1e3:.2f} | "
-                     f"{layer['rest_bwd_s'] * 1e3:.2f} | " + " | ".join(cells) + f" | {fit['copy_bytes_s'] / GB:.1f} |")
+                     f"{layer['rest_bwd_s'] * 1e3:.2f} | {fit['optimizer_fixed_s'] * 1e3:.2f} | " + " | ".join(cells)
+                     + f" | {fit['copy_bytes_s'] / GB:.1f} |")
     return "\n".join(lines)
 
 
@@ -451,7 +516,7 @@ def order(values: dict[str, float]) -> list[str]:
 
 SHOWN_TERMS = (("compute", "compute"), ("tensor_parallel", "TP"), ("expert_all_to_all", "EP"),
                ("pipeline_bubble", "bubble"), ("pipeline_p2p", "p2p"), ("gradient_sync", "grad RS"),
-               ("parameter_gather", "param AG"))
+               ("parameter_gather", "param AG"), ("optimizer", "optimizer"))
 
 
 def compare_table(rows: list[dict]) -> str:

@@ -201,7 +201,7 @@ def _weights_only(rank, world_size, model, directory, batches, out_prefix):
         for a, b in zip(fresh.chunks, loaded.chunks):
             for p, q in zip(a.parameters(), b.parameters()):
                 p.copy_(q)
-    fresh._build_optimizer()
+    fresh.build_optimizer()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = len(batches[1]["input_ids"]) // dp
     mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batches[1].items()}

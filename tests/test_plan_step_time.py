@@ -180,7 +180,8 @@ TINY = load_model_spec("tiny_qwen3_moe")  # 4 layers, hidden 64, vocabulary 512
 CPU4 = Cluster(nnodes=1, devices_per_node=4, device="cpu")
 # 1 GFLOP/s, 1 ms a collective, a layer's micro-batch 2 ms forward and 3 ms backward beyond its FLOPs
 FIXED = replace(RATES, flops=1e9, latency=1e-3, layer_forward=2e-3, layer_backward=3e-3, micro_batch_forward=1e-3,
-                micro_batch_backward=4e-3)  # and the rest of the model's micro-batch 1 ms forward, 4 ms backward
+                micro_batch_backward=4e-3, optimizer_step=6e-3)  # the rest of the model's micro-batch 1 ms forward,
+# 4 ms backward; an optimizer step 6 ms beyond its Adam bytes
 SHORT = Workload(seq_len=128, prompt_len=32, response_len=96, global_batch=16, mini_batch=16, micro_batch_size=4)
 
 
@@ -239,7 +240,11 @@ def test_one_optimizer_step_by_hand_and_the_rl_step_made_of_them():
     per_mb = work / 1e9 + 4 * 5e-3 + 5e-3  # FLOPs, 4 layers' fixed costs, the rest of the model's
     terms = step_time.optimizer_step(TINY, one, SHORT, FIXED, Assumptions())
     assert terms["compute"] == pytest.approx(4 * per_mb)
-    assert sum(terms.values()) == pytest.approx(4 * per_mb)  # nothing to send on one rank
+    # the update: fp32 Adam reads the parameter, its gradient and both moments and writes three of
+    # them, 28 bytes a parameter at the memory rate, and the step's fixed cost
+    update = TINY.total_params * 28 / 1e12 + 6e-3
+    assert terms["optimizer"] == pytest.approx(update)
+    assert sum(terms.values()) == pytest.approx(4 * per_mb + update)  # nothing to send on one rank
     log_probs = step_time.log_prob_pass(TINY, one, SHORT, FIXED)
     per_mb = (4 * 4 * flops.layer_forward_flops(TINY, 128) + flops.logits_flops(TINY, 512)) / 1e9 + 4 * 2e-3 + 1e-3
     assert log_probs["compute"] == pytest.approx(4 * per_mb)
@@ -253,18 +258,33 @@ def test_one_optimizer_step_by_hand_and_the_rl_step_made_of_them():
         assert step.seconds[key] == pytest.approx(8 * seconds + 2 * forward.get(key, 0.0))
 
 
+def test_the_optimizer_updates_its_shard_of_the_parameters():
+    # the distributed optimizer: DP2 updates half of every parameter on each rank; EP2 on 2 ranks
+    # (EDP 1) holds half the experts whole and half the dense parameters; without the distributed
+    # optimizer each rank updates all it holds
+    experts = TINY.num_layers * TINY.num_experts * TINY.expert_params
+    dense = TINY.total_params - experts
+    two = Cluster(device="cpu", devices_per_node=2)
+    seconds = {name: step_time.optimizer_update_seconds(TINY, Layout("x", train=train, cluster=two), 0, FIXED) - 6e-3
+               for name, train in (("dp2", TrainParallel()), ("ep2", TrainParallel(ep=2, etp=1)),
+                                   ("dp2_plain", TrainParallel(use_distributed_optimizer=False)))}
+    assert seconds["dp2"] == pytest.approx(TINY.total_params / 2 * 28 / 1e12)
+    assert seconds["ep2"] == pytest.approx((dense / 2 + experts / 2) * 28 / 1e12)
+    assert seconds["dp2_plain"] == pytest.approx(TINY.total_params * 28 / 1e12)
+
+
 def test_a_probes_sheet_gives_its_fixed_costs(tmp_path):
     sheet = tmp_path / "cpu.yaml"
     figure = "{value: %s, kind: measured, by: probe, source: a probe}"
     body = (f"device: cpu\nbf16_tflops: {figure % 0.01}\nhbm_gb_s: {figure % 10}\nintra_node_gb_s: {figure % 1}\n"
             f"inter_node_gb_s: {figure % 1}\n")
     sheet.write_text(body + "overheads: {collective_latency_us: 500, layer_forward_us: 2000, layer_backward_us: 3000, "
-                            "by: probe, source: a probe}\n")
+                            "optimizer_step_us: 7000, by: probe, source: a probe}\n")
     hw = load_hardware(str(sheet))
-    assert hw.overheads == Overheads(500, 2000, 3000, by="probe", source="a probe")
+    assert hw.overheads == Overheads(500, 2000, 3000, optimizer_step_us=7000, by="probe", source="a probe")
     r = Rates.of(hw, Assumptions(mfu=0.4))  # a measured compute rate is achieved already: no MFU on it
-    assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward) == pytest.approx(
-        (1e10, 1e9, 5e-4, 2e-3, 3e-3))
+    assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward, r.optimizer_step) == pytest.approx(
+        (1e10, 1e9, 5e-4, 2e-3, 3e-3, 7e-3))
     sheet.write_text(body)  # none given: none counted, as a vendor sheet
     assert Rates.of(load_hardware(str(sheet)), Assumptions()).latency == 0.0
     sheet.write_text(body + "overheads: {collective_latency_us: -1}\n")
@@ -377,10 +397,16 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     # the rest of the model: 1 ms forward, 1.5 ms backward beyond the output layer's FLOPs
     layers = [{"flops": f, "fwd_s": 2e-3 + f / 4e9, "bwd_s": 3e-3 + 2 * f / 4e9, "logits_flops": f / 10,
                "rest_fwd_s": 1e-3 + f / 10 / 4e9, "rest_bwd_s": 1.5e-3 + 2 * f / 10 / 4e9} for f in (1e6, 1e7, 5e7)]
-    fit = probe.summarise_probe([{"collectives": collectives, "layers": layers, "copy_bytes_s": 5e9}])
+    # the optimizer step on 2 ranks: 7 ms + its half of the parameters' 28 Adam bytes at the copy rate
+    # + the all-gather of the other half's fp32 parameters at the gloo fit
+    optimizer = [{"params": n, "ranks": 2, "s": 7e-3 + n / 2 * 28 / 5e9 + 800e-6 + n / 2 * 4 / 0.5e9}
+                 for n in (1e5, 3e5)]
+    fit = probe.summarise_probe([{"collectives": collectives, "layers": layers, "optimizer": optimizer,
+                                  "copy_bytes_s": 5e9}])
     assert fit["collectives"] == pytest.approx({"latency_s": 800e-6, "bytes_s": 0.5e9})
     assert fit["layer"] == pytest.approx({"fixed_fwd_s": 2e-3, "fixed_bwd_s": 3e-3, "flops_s": 4e9,
                                           "rest_fwd_s": 1e-3, "rest_bwd_s": 1.5e-3})
+    assert fit["optimizer_fixed_s"] == pytest.approx(7e-3)
     fit.update(ranks=2, when="now")
     path = tmp_path / "cpu.yaml"
     path.write_text(probe.sheet(2, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
@@ -388,4 +414,5 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     assert hw.device == "cpu" and hw.bf16_tflops.kind == "measured" and hw.bf16_tflops.by == "probe"
     r = Rates.of(hw, Assumptions())  # the MFU leaves a measured rate alone
     assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward, r.micro_batch_forward,
-            r.micro_batch_backward) == pytest.approx((4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 1.5e-3))
+            r.micro_batch_backward, r.optimizer_step) == pytest.approx((4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 1.5e-3,
+                                                                         7e-3))

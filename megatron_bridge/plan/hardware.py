@@ -5,7 +5,7 @@ is a data-sheet peak or a measurement (and by whom); ``Rates`` turns them into t
 uses: a peak times the achieved fraction the user assumes (``Assumptions``), a measurement as it
 is, a command-line override as given. A sheet may also give fixed costs (``Overheads``: a
 collective's launch latency, a decoder layer's and the rest of the model's cost per micro-batch
-whatever its tokens), which
+whatever its tokens, an optimizer step's beyond its bytes), which
 only a probe on the machine can give (``bench/plan_calibrate.py`` for CPU gloo ranks); a sheet
 without them counts none, as the model did before them.
 """
@@ -45,6 +45,9 @@ class Overheads:
     # output layer's FLOPs
     micro_batch_forward_us: float = 0.0
     micro_batch_backward_us: float = 0.0
+    # one optimizer step beyond its Adam bytes at the memory rate and its parameter all-gather (the
+    # gradient norm, the clip, Python over the parameter groups)
+    optimizer_step_us: float = 0.0
     # the ranks measured share the cores, at least two a core: a rank that waits (a pipeline stage in
     # the bubble) leaves its core to the others (step_time.bubble_seconds)
     ranks_share_cores: bool = False
@@ -75,7 +78,7 @@ _CHECKS = {
 _RULES = {f"{figure}.{key}": check for figure in _FIGURES for key, check in _CHECKS.items()}
 _RULES |= {f"overheads.{key}": (lambda v: None if v >= 0 else "must be >= 0")
            for key in ("collective_latency_us", "layer_forward_us", "layer_backward_us", "micro_batch_forward_us",
-                       "micro_batch_backward_us")}
+                       "micro_batch_backward_us", "optimizer_step_us")}
 _RULES["overheads.by"] = _CHECKS["by"]
 
 
@@ -137,6 +140,7 @@ class Rates:
     layer_backward: float = 0.0  # the same, backward
     micro_batch_forward: float = 0.0  # seconds per micro-batch outside the layers, forward (Overheads)
     micro_batch_backward: float = 0.0  # the same, backward
+    optimizer_step: float = 0.0  # seconds per optimizer step beyond its bytes (Overheads)
     ranks_share_cores: bool = False  # (Overheads)
 
     @classmethod
@@ -165,4 +169,5 @@ class Rates:
         return cls(*values, hardware=hw.name if hw else "command line", latency=fixed.collective_latency_us * 1e-6,
                    layer_forward=fixed.layer_forward_us * 1e-6, layer_backward=fixed.layer_backward_us * 1e-6,
                    micro_batch_forward=fixed.micro_batch_forward_us * 1e-6,
-                   micro_batch_backward=fixed.micro_batch_backward_us * 1e-6, ranks_share_cores=fixed.ranks_share_cores)
+                   micro_batch_backward=fixed.micro_batch_backward_us * 1e-6,
+                   optimizer_step=fixed.optimizer_step_us * 1e-6, ranks_share_cores=fixed.ranks_share_cores)

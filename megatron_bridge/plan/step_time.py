@@ -25,10 +25,11 @@ one reduce-scatter and one all-gather, or one all-reduce, per gradient group, th
 one bucket; where the sheet's ranks share the cores, at least two a core, no pipeline bubble:
 ``bubble_seconds``), each decoder layer's per-micro-batch forward and backward cost beyond its FLOPs
 (on a device of a few cores, Python and kernel launches), and the rest of the model's (embedding,
-output layer, log-probs; counted on the last stage). Not counted: the optimizer step, the
-offload to and from the host, expert load imbalance, smaller GEMMs' lower efficiency at higher TP,
-the policy loss's arithmetic beyond the log-probs, and the actor's own small collectives (the
-gradient norm's, the loss's sums).
+output layer, log-probs; counted on the last stage), and an optimizer step's beyond its Adam bytes
+(the gradient norm with its all-reduce, the clip). The optimizer's update counts its Adam bytes at
+the memory rate (``optimizer_update_seconds``). Not counted: the offload to and from the host,
+expert load imbalance, smaller GEMMs' lower efficiency at higher TP, the policy loss's arithmetic
+beyond the log-probs, and the loss's small collectives (its sums).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ TERMS = (
     ("pipeline_p2p", "pipeline send / receive"),
     ("gradient_sync", "DP / EDP gradient reduce-scatter"),
     ("parameter_gather", "DP / EDP parameter all-gather"),
+    ("optimizer", "optimizer update (Adam)"),
     ("rollout", "rollout (prefill + decode)"),
     ("weight_sync", "weight sync to the rollout"),
 )
@@ -303,6 +305,21 @@ def gradient_sync(spec: ModelSpec, layout: Layout, pp_rank: int, rates: Rates) -
     return GradientSync(reduce_bytes, gather_bytes, reduce_s, gather_s)
 
 
+# fp32 Adam per parameter of the device's optimizer shard: reads the main parameter, its gradient and
+# both moments, writes the parameter and both moments back (4 bytes each)
+ADAM_BYTES = 7 * 4
+
+
+def optimizer_update_seconds(spec: ModelSpec, layout: Layout, pp_rank: int, rates: Rates) -> float:
+    """One optimizer step's update on one device of stage ``pp_rank``: Adam over its shard at the
+    memory rate (the distributed optimizer's shard: 1/(DP*CP) of the dense parameters, 1/EDP of the
+    experts'), plus the sheet's fixed cost (``Overheads.optimizer_step_us``)."""
+    t, g = layout.train, Groups.of(layout)
+    params = [p for vp in range(t.vpp or 1) for p in chunk_params(spec, t, pp_rank, vp)]
+    shard = sum(p.numel / ((g.edp if p.expert else g.dp).size if t.use_distributed_optimizer else 1) for p in params)
+    return rates.optimizer_step + shard * ADAM_BYTES / rates.hbm
+
+
 def weight_sync_bytes(spec: ModelSpec, layout: Layout) -> tuple[float, int]:
     """(bytes, hops) of one weight sync on the busiest receiver (``megatron_bridge.weights.export``):
     colocated, each rank receives the dense tensors whole and its rollout rank's experts (1/rollout
@@ -369,8 +386,9 @@ PASS_TERMS = ("compute", "tensor_parallel", "expert_all_to_all", "context_parall
 def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, assume: Assumptions) -> dict[str, float]:
     """Seconds of one optimizer step of ``w.mini_batch`` sequences, by training term (the terms of
     ``TERMS`` before the rollout's): its micro-batches through the pipeline, then the gradient
-    reduce-scatter and parameter all-gather. What one actor ``train_step`` takes
-    (bench/actor_throughput.py's train step; bench/plan_calibrate.py compares them)."""
+    reduce-scatter and parameter all-gather, and the update on the slowest stage. What one actor
+    ``train_step`` takes (bench/actor_throughput.py's train step; bench/plan_calibrate.py compares
+    them)."""
     t = layout.train
     per_opt = math.ceil(math.ceil(w.mini_batch / _replicas(layout)) / w.micro_batch_size)
     train = _slowest(spec, layout, w, rates, True)
@@ -381,7 +399,8 @@ def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, a
     return {**{k: per_opt * getattr(train, k) for k in PASS_TERMS},
             "pipeline_bubble": bubble_seconds(t.pp, t.vpp, train.stage_seconds, rates.ranks_share_cores),
             "gradient_sync": max(0.0, sync.reduce_seconds - hide),
-            "parameter_gather": max(0.0, sync.gather_seconds - hide)}
+            "parameter_gather": max(0.0, sync.gather_seconds - hide),
+            "optimizer": max(optimizer_update_seconds(spec, layout, i, rates) for i in range(t.pp))}
 
 
 def log_prob_pass(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates) -> dict[str, float]:

@@ -123,10 +123,12 @@ class MegatronActor:
         """Load a HF checkpoint into the shards; builds the optimizer afterwards (it copies the
         weights into its fp32 state when built)."""
         report = load_hf_checkpoint(self.chunks, self.spec, directory)
-        self._build_optimizer()
+        self.build_optimizer()
         return report
 
-    def _build_optimizer(self) -> None:
+    def build_optimizer(self) -> None:
+        """The optimizer and its LR schedule over the weights as they are (``load_hf`` builds them
+        after loading; without an OptimConfig, none)."""
         if self.optim_config is None or self.optimizer is not None:
             return
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -314,11 +316,12 @@ class MegatronActor:
         values = torch.stack(list(metrics.values())) if metrics else torch.zeros(0, device=self.device)
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
         result = {k: float(v) for k, v in zip(metrics, values)}
-        result.update(self._optimizer_step(loss_finite=all(math.isfinite(v) for v in result.values())))
+        result.update(self.optimizer_step(loss_finite=all(math.isfinite(v) for v in result.values())))
         return result
 
-    def _optimizer_step(self, loss_finite: bool) -> dict[str, float]:
-        """megatron's ``optimizer.step()`` split where a bad gradient can still be refused."""
+    def optimizer_step(self, loss_finite: bool = True) -> dict[str, float]:
+        """megatron's ``optimizer.step()`` on the gradients in the buffers, split where a bad
+        gradient (or ``loss_finite`` False) can still be refused."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         self.optimizer.prepare_grads()
