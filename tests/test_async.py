@@ -885,6 +885,36 @@ def test_a_rollout_rank_that_dies_in_the_weight_broadcast_is_named(tmp_path, fre
 
 
 @pytest.mark.slow
+def test_a_death_is_found_within_the_notice_and_a_live_or_finished_worker_is_not_dead(fresh_ray):
+    """``any_died``, which lets sync_weights name a rollout rank that died even where the send
+    failed first: a worker whose process ended is reported dead; one still running is not, after
+    the notice; one that finished is not, at once."""
+    import os
+    import time
+
+    from recipe.workers.group import any_died, init_ray
+
+    init_ray("cpu", 2)
+
+    @fresh_ray.remote
+    class Worker:
+        def exit(self):
+            os._exit(1)
+
+        def wait(self, seconds):
+            time.sleep(seconds)
+            return seconds
+
+    ending, waiting, finishing = Worker.remote(), Worker.remote(), Worker.remote()
+    done = finishing.wait.remote(0)
+    assert any_died([done, ending.exit.remote()], 30)
+    start = time.monotonic()
+    assert not any_died([waiting.wait.remote(60)], 1) and time.monotonic() - start < 10
+    start = time.monotonic()
+    assert not any_died([done], 30) and time.monotonic() - start < 5
+
+
+@pytest.mark.slow
 def test_a_rollout_rank_that_stalls_in_the_weight_broadcast_fails_the_send_in_time(tmp_path, fresh_ray):
     """The rollout rank stops answering in step 1's weight broadcast (as a stopped process would):
     the send gives up after async_training.weight_sync_timeout_s and the run ends with one line

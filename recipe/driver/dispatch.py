@@ -25,7 +25,7 @@ from recipe.driver.rollouts import Rollout
 from recipe.rollout.base import Generation, SamplingParams
 from recipe.tracking.metrics import mean_metrics
 from recipe.workers.rank import Rank, RankInfo
-from recipe.workers.group import WorkerGroup, first_failure
+from recipe.workers.group import DEATH_NOTICE_S, WorkerGroup, any_died, first_failure
 
 
 @dataclass
@@ -194,14 +194,17 @@ class Dispatch:
     def sync_weights(self) -> dict[str, float]:
         """Every engine gets the actor's new weights; rank 0's timing and stream counts. A rollout
         pool of its own receives them together with the training ranks' send, and the side that
-        fails first is reported: a rollout rank that died names itself at once; one that stalls
+        fails first is reported, but a rollout rank that died is named even where the send failed
+        first (its closed sockets end the send before Ray reports the death); one that stalls
         (stopped, hung) fails the send after ``async_training.weight_sync_timeout_s``, or, where the
         sent bytes fit in the sockets' buffers and the send ends, is named after that long."""
         if self.rollout is None:
             return self.workers.call(Rank.sync_weights, phase="weight sync")[0]
         sending = self.workers.submit(Rank.sync_weights)
         receiving = self.rollout.submit(Rank.sync_weights)
-        if first_failure(receiving + sending, until=sending) in receiving:
+        first = first_failure(receiving + sending, until=sending)
+        # a rollout rank that died closes its sockets: the send may fail before Ray reports the death
+        if first in receiving or (first is not None and any_died(receiving, DEATH_NOTICE_S)):
             self.rollout.get(receiving, "weight sync", self.sync_timeout_s)  # raises, naming the rank
         sent = self.workers.get(sending, "weight sync")  # raises the send's error, naming its rank
         self.rollout.get(receiving, "weight sync", self.sync_timeout_s)

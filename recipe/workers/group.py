@@ -41,6 +41,9 @@ RAYLET_REGISTRATION_S = 120
 # When one worker's call fails, how long the others get to end theirs before the error names the
 # failed ones (the others may be blocked in a collective with the failed one, and never end).
 PEERS_TIMEOUT_S = 30
+# When a collective fails on one side, how long Ray gets to report a worker of the other side dead
+# (the cause, then named) before the failed side's own error is raised
+DEATH_NOTICE_S = 5
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 # What a worker raises about its input (a file, a key): the driver re-raises it as it is, naming the
 # worker, as it does a weight sync that failed on a worker (its message names what failed and the
@@ -345,6 +348,18 @@ def first_failure(refs: list, until: list):
         if _failed(ended, Exception):
             return ended
     return None
+
+
+def any_died(refs: list, within_s: float) -> bool:
+    """Whether Ray reports the worker of one of ``refs`` dead (``RayActorError``) within
+    ``within_s``: it learns of a process's end a moment after the process's sockets close, so a peer
+    in a collective with it may fail first."""
+    deadline, pending = time.monotonic() + within_s, list(refs)
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if ready and _failed(ready[0], ray.exceptions.RayActorError):
+            return True
+    return False
 
 
 def _failed(ref, error: type) -> bool:
