@@ -318,12 +318,13 @@ def fit_optimizer(points: list[dict], copy_bytes_s: float, collectives: dict[str
     """The optimizer step's fixed cost (seconds): what a step takes beyond its shard's Adam bytes at
     the copy rate (step_time.optimizer_update_seconds) and its parameter all-gather (fp32, at the
     probe's back-to-back gloo fit; the planner counts that as its own term), median over the points."""
+    from megatron_bridge.plan.collectives import ring_bytes
     from megatron_bridge.plan.step_time import ADAM_BYTES
 
     def beyond(p: dict) -> float:
-        n, shard = p["ranks"], p["params"] / p["ranks"]
-        gather = collectives["latency_s"] + (n - 1) * shard * 4 / collectives["bytes_s"] if n > 1 else 0.0
-        return p["s"] - shard * ADAM_BYTES / copy_bytes_s - gather
+        n = p["ranks"]
+        gather = collectives["latency_s"] + ring_bytes(p["params"] * 4, n) / collectives["bytes_s"] if n > 1 else 0.0
+        return p["s"] - p["params"] / n * ADAM_BYTES / copy_bytes_s - gather
 
     return statistics.median(beyond(p) for p in points)
 

@@ -62,23 +62,22 @@ def reset_parallel_state() -> None:
     # the ranks of the (position) embedding group, so a stale list would put a rank in a group
     # it has no handle of.
     ps._EMBEDDING_GLOBAL_RANKS = ps._POSITION_EMBEDDING_GLOBAL_RANKS = None
-    if dist.new_group is not _reused_group:
-        _GROUPS.update(_new_group=dist.new_group)
-        dist.new_group = _reused_group
+    global _torch_new_group
+    if _torch_new_group is None:
+        _torch_new_group, dist.new_group = dist.new_group, _reused_group
 
 
-# torch's own new_group, and (ranks, backend) -> the group made for them, in a rank that runs several layouts
-_GROUPS: dict = {}
+_torch_new_group = None  # torch's own, once reset_parallel_state has put _reused_group in its place
+_groups: dict = {}  # (ranks, backend) -> the group made for them in this rank
 
 
 def _reused_group(ranks=None, backend=None, pg_options=None, **kwargs):
     """``torch.distributed.new_group``, once per rank set: megatron's ``initialize_model_parallel``
     asks for every group on every rank in the same order, so every rank takes the same groups from
     here (a group with options of its own is made anew)."""
-    make = lambda: _GROUPS["_new_group"](ranks=ranks, backend=backend, pg_options=pg_options, **kwargs)  # noqa: E731
     if pg_options is not None:
-        return make()
+        return _torch_new_group(ranks=ranks, backend=backend, pg_options=pg_options, **kwargs)
     key = (tuple(ranks) if ranks is not None else None, backend)
-    if key not in _GROUPS:
-        _GROUPS[key] = make()
-    return _GROUPS[key]
+    if key not in _groups:
+        _groups[key] = _torch_new_group(ranks=ranks, backend=backend, **kwargs)
+    return _groups[key]

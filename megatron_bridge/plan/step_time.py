@@ -41,7 +41,7 @@ from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import flops
 from megatron_bridge.plan.collectives import AllToAll, Group, Groups, link_rate, ring_bytes, ring_seconds
 from megatron_bridge.plan.hardware import Assumptions, Rates
-from megatron_bridge.plan.layout import Layout
+from megatron_bridge.plan.layout import Layout, TrainParallel
 from megatron_bridge.plan.memory import (GIB, GRAD_BYTES, LOG_PROB_CHUNK_TOKENS, LOG_PROB_CHUNKS_AT_LEAST, PARAM_BYTES,
                                          chunk_params, rollout_weight_bytes)
 from megatron_bridge.plan.model_spec import ModelSpec
@@ -285,9 +285,14 @@ class GradientSync:
     gather_seconds: float
 
 
+def stage_params(spec: ModelSpec, t: TrainParallel, pp_rank: int) -> list:
+    """The parameters one device of pipeline stage ``pp_rank`` holds, over its model chunks."""
+    return [p for vp in range(t.vpp or 1) for p in chunk_params(spec, t, pp_rank, vp)]
+
+
 def gradient_sync(spec: ModelSpec, layout: Layout, pp_rank: int, rates: Rates) -> GradientSync:
     t, g, dpn = layout.train, Groups.of(layout), layout.cluster.devices_per_node
-    params = [p for vp in range(t.vpp or 1) for p in chunk_params(spec, t, pp_rank, vp)]
+    params = stage_params(spec, t, pp_rank)
     reduce_bytes = gather_bytes = reduce_s = gather_s = 0.0
     for expert, group in ((False, g.dp), (True, g.edp)):
         numel = sum(p.numel for p in params if p.expert == expert)
@@ -315,7 +320,7 @@ def optimizer_update_seconds(spec: ModelSpec, layout: Layout, pp_rank: int, rate
     memory rate (the distributed optimizer's shard: 1/(DP*CP) of the dense parameters, 1/EDP of the
     experts'), plus the sheet's fixed cost (``Overheads.optimizer_step_us``)."""
     t, g = layout.train, Groups.of(layout)
-    params = [p for vp in range(t.vpp or 1) for p in chunk_params(spec, t, pp_rank, vp)]
+    params = stage_params(spec, t, pp_rank)
     shard = sum(p.numel / ((g.edp if p.expert else g.dp).size if t.use_distributed_optimizer else 1) for p in params)
     return rates.optimizer_step + shard * ADAM_BYTES / rates.hbm
 
