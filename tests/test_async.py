@@ -22,7 +22,7 @@ from recipe.driver.rollouts import Rollout
 from recipe.driver.trainer import prompt_hash
 from recipe.tracking.loggers import read_jsonl
 from tests.distributed import free_port, run_ranks
-from tests.recipe_runs import TINY, VOLATILE, start_trainer
+from tests.recipe_runs import ONE_TRAIN_RANK, TINY, VOLATILE, start_trainer
 
 ONE_STEP_OFF = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
                 "actor_rollout_ref.rollout.n_gpus_per_node=2"]
@@ -796,7 +796,8 @@ def _hold_decoding_while(actor, hold) -> None:
 
 def _failed_run(tmp_path, name: str, overrides: list[str], fault) -> tuple[int, list[str], str]:
     """Start a run, ``fault(trainer)``, train it as ``recipe.main`` would end it: its exit status, the
-    lines of its error message (the error, then its notes) and the node the ranks ran on."""
+    lines of its error message (the error, then its notes) and the node the ranks ran on. The faults
+    are the rollout pool's and the weight sync's: the runs train on one rank (``ONE_TRAIN_RANK``)."""
     import ray
 
     from recipe.main import run_reporting
@@ -824,7 +825,7 @@ def test_a_rollout_rank_that_dies_in_generation_is_named_and_the_run_resumes(tmp
     """Rollout rank 1 ends (os._exit) while it generates step 3's batch, sent off during step 2: the
     run ends at step 2's wait for that batch with one line naming the rank and its node, exit status 1,
     and the same command resumes from step 1's checkpoint to the end."""
-    run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1"]
+    run = [*ONE_TRAIN_RANK, *ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1"]
     # generations from the start: 1 is step 1's batch, 2 step 2's (sent during step 1), 3 step 3's
     status, message, node = _failed_run(tmp_path, "dies", run, lambda trainer: _plant(
         trainer.rollout_workers.workers[1], "rollout.run", 3, "exit"))
@@ -856,7 +857,8 @@ def test_a_rollout_rank_that_hangs_in_generation_fails_the_wait_for_its_batch(tm
     """Rollout rank 1 never answers step 3's generation (sent off during step 2): the wait for that
     batch ends after async_training.wait_rollout_timeout_s with one line naming the rank, exit 1, and
     the last checkpoint stays the one to resume from."""
-    run = [*ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1", "async_training.wait_rollout_timeout_s=10"]
+    run = [*ONE_TRAIN_RANK, *ONE_STEP_OFF, "trainer.total_training_steps=3", "trainer.save_freq=1",
+           "async_training.wait_rollout_timeout_s=10"]
     status, message, node = _failed_run(tmp_path, "hangs", run, lambda trainer: _plant(
         trainer.rollout_workers.workers[1], "rollout.run", 3, "stall"))
     assert status == 1
@@ -867,7 +869,7 @@ def test_a_rollout_rank_that_hangs_in_generation_fails_the_wait_for_its_batch(tm
     assert message[1:] == [f"  (in step 2; last completed step: 1; a re-run resumes from {checkpoint} (step 1))"]
 
 
-ONE_ROLLOUT_RANK = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
+ONE_ROLLOUT_RANK = [*ONE_TRAIN_RANK, "async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
                     "actor_rollout_ref.rollout.n_gpus_per_node=1", "async_training.weight_sync_timeout_s=3"]
 
 

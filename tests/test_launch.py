@@ -26,14 +26,14 @@ import yaml
 from recipe.config import load_config
 from recipe.tracking.loggers import read_jsonl
 from tests.distributed import free_port
-from tests.recipe_runs import assert_same_step
+from tests.recipe_runs import EP1, QUICK, assert_same_step
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").glob("*.sh"))
 GSPO_30B = "launch/qwen3_30b_a3b_gspo.sh"
 TINY = "launch/tiny_gspo.sh"
 # Short runs: 2 RL steps, no validation.
-TINY_ARGS = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+TINY_ARGS = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false", *QUICK]
 HANG_S = 600  # the limit on anything a launcher test waits for: only a hang reaches it
 TAG = "MOE_RL_TEST_LAUNCH"  # in a launcher's environment, so in that of everything it starts
 
@@ -476,8 +476,8 @@ def test_failed_job_fails_the_launcher(tmp_path):
 def test_a_failed_job_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path):
     """MAX_RESTARTS=1: the job fails once after its step-2 checkpoint (a planted reward error, as a
     lost node would end it), is resubmitted once the node is back, and resumes there. The job is the
-    split one-step-off run (ROLLOUT_NNODES / ROLLOUT_NPUS_PER_NODE): it trains on 2 ranks while 2
-    rollout ranks of their own generate a step ahead (the CPU's two pools share the one node)."""
+    split one-step-off run (ROLLOUT_NNODES / ROLLOUT_NPUS_PER_NODE): it trains on one rank while a
+    rollout rank of its own generates a step ahead (the CPU's two pools share the one node)."""
     run, marker = tmp_path / "run", tmp_path / "fail_once"
     marker.touch()
     reward = tmp_path / "reward.py"
@@ -490,8 +490,9 @@ def test_a_failed_job_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path):
         "        raise RuntimeError('planted failure after the step-2 checkpoint')\n"
         "    return default_compute_score(data_source, solution_str, ground_truth, extra_info)\n")
     args = ["trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", f"custom_reward_function.path={reward}"]
-    out = launch(TINY, tmp_path, args, NNODES="1", MAX_RESTARTS="1", ROLLOUT_NNODES="1", ROLLOUT_NPUS_PER_NODE="2")
+            "trainer.val_before_train=false", f"custom_reward_function.path={reward}", *QUICK, EP1]
+    out = launch(TINY, tmp_path, args, NNODES="1", NPUS_PER_NODE="1", MAX_RESTARTS="1", ROLLOUT_NNODES="1",
+                 ROLLOUT_NPUS_PER_NODE="1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "restart 1 of 1: waiting up to" in out.stdout and "FAILED" in out.stdout
     assert "SUCCEEDED" in out.stdout and "--expect 1 " not in out.stdout  # not a dry run
@@ -646,7 +647,7 @@ def test_ctrl_c_during_the_submission_stops_the_job_it_submitted(start_launcher)
 
 @pytest.mark.slow
 def test_sigterm_while_the_job_runs_stops_the_job_and_the_node(start_launcher):
-    launcher = start_launcher(TINY, ["trainer.total_training_steps=500"], NNODES="1",
+    launcher = start_launcher(TINY, ["trainer.total_training_steps=500", EP1], NNODES="1", NPUS_PER_NODE="1",
                               LAUNCH_PAUSE_AT="job_running,cleanup")
     launcher.pause_point("job_running")
     launcher.wait_for("workers: node")  # the job's Ray workers are up

@@ -1,6 +1,7 @@
 """SIGTERM and SIGINT stop the tiny CPU recipe (real Ray workers, megatron-core on gloo ranks)
 cleanly, with one line saying where a re-run resumes, under a cluster of its own or a joined one
-(``ray job submit``); a re-run resumes there; a damaged checkpoint is skipped or refused."""
+(``ray job submit``); a re-run resumes there; a damaged checkpoint is skipped or refused. The runs take
+larger micro-batches (``QUICK``); the stops at a step's end and under a joined cluster, one training rank."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import free_port
-from tests.recipe_runs import REPO, TINY, metrics, run_main
+from tests.recipe_runs import ONE_TRAIN_RANK, QUICK, REPO, TINY, metrics, run_main
 
 # Every process the driver starts (Ray's and its workers) inherits its environment: a unique value
 # of this variable finds them in /proc, and no other run's.
@@ -91,7 +92,7 @@ def assert_clean_stop(stderr: str, line: str) -> None:
     assert [s for s in stderr.splitlines() if s.startswith("stopped by")] == [line], stderr
 
 
-STEPS = ["--config", TINY["gspo"], "trainer.test_freq=-1", "trainer.val_before_train=false"]
+STEPS = ["--config", TINY["gspo"], "trainer.test_freq=-1", "trainer.val_before_train=false", *QUICK]
 
 
 @pytest.mark.slow
@@ -117,9 +118,9 @@ def test_sigterm_to_the_process_group_stops_cleanly(tmp_path):
 @pytest.mark.slow
 def test_sigterm_with_a_grace_period_saves_at_the_step_end(tmp_path):
     run = tmp_path / "run"
-    code, _, stderr = signalled_run(STEPS + ["trainer.save_freq=-1", "trainer.total_training_steps=8",
-                                             "trainer.save_on_sigterm_grace_s=600", f"trainer.default_local_dir={run}"],
-                                    "step 1 |", [signal.SIGTERM], tmp_path)
+    code, _, stderr = signalled_run(STEPS + ONE_TRAIN_RANK + [
+        "trainer.save_freq=-1", "trainer.total_training_steps=8", "trainer.save_on_sigterm_grace_s=600",
+        f"trainer.default_local_dir={run}"], "step 1 |", [signal.SIGTERM], tmp_path)
     assert code == 143
     # the signal lands at the end of step 1 (between its line and the step's end) or during step 2:
     # the run stops after that step, with its checkpoint
@@ -198,9 +199,9 @@ def test_sigterm_under_a_joined_cluster_leaves_the_cluster_up(tmp_path):
             assert head.poll() is None and time.time() < deadline, f"the Ray head did not come up:\n{head_log.read()}"
             time.sleep(2)
         run = tmp_path / "run"
-        code, _, stderr = signalled_run(STEPS + ["trainer.save_freq=1", "trainer.total_training_steps=8",
-                                                 f"trainer.default_local_dir={run}"], "step 1 |", [signal.SIGTERM],
-                                        tmp_path, env=client)
+        code, _, stderr = signalled_run(STEPS + ONE_TRAIN_RANK + [
+            "trainer.save_freq=1", "trainer.total_training_steps=8", f"trainer.default_local_dir={run}"],
+            "step 1 |", [signal.SIGTERM], tmp_path, env=client)
         assert code == 143
         assert_clean_stop(stderr, f"stopped by SIGTERM; last completed step: 1; a re-run resumes from "
                                   f"{run / 'checkpoints' / 'global_step_1'} (step 1)")
