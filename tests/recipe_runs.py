@@ -20,10 +20,10 @@ TINY = {"gspo": "configs/recipe/tiny_gspo.yaml", "grpo": "configs/recipe/tiny_gr
 # metrics that measure the machine, not the computation; on the CPU the train-rollout gap is fp32
 # rounding between two kernels (1e-7..1e-6), which changes with the threads each rank gets
 VOLATILE = ("timing_s/", "perf/", "reshard/export_s", "training/rollout_", "rollout_corr/")
-# Fewer, larger micro-batches than the tiny recipes' 8 rows: for runs that test a flow (signals, resume,
-# async, the comparison) rather than the update, half the step's time (2 micro-batches of the update a
-# rank instead of 8, one log-prob pass instead of 8). The main job keeps the recipe's 8 rows; splits
-# are tested in tests/test_actor_update.py.
+# Fewer, larger micro-batches than the tiny recipes' 8 rows: for runs that test a flow (signals, async
+# schedules and faults, the comparison, the launcher) rather than the update, half the step's time
+# (2 micro-batches of the update a rank instead of 8, one log-prob pass instead of 8). The main job
+# keeps the recipe's 8 rows; splits are tested in tests/test_actor_update.py.
 QUICK = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64"]

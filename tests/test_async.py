@@ -797,7 +797,8 @@ def _hold_decoding_while(actor, hold) -> None:
 def _failed_run(tmp_path, name: str, overrides: list[str], fault) -> tuple[int, list[str], str]:
     """Start a run, ``fault(trainer)``, train it as ``recipe.main`` would end it: its exit status, the
     lines of its error message (the error, then its notes) and the node the ranks ran on. The faults
-    are the rollout pool's and the weight sync's: the runs train on one rank (``ONE_TRAIN_RANK``)."""
+    are the rollout pool's and the weight sync's, so their runs train on one rank (``ONE_TRAIN_RANK``
+    in their overrides)."""
     import ray
 
     from recipe.main import run_reporting

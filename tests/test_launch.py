@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").glob("*.sh"))
 GSPO_30B = "launch/qwen3_30b_a3b_gspo.sh"
 TINY = "launch/tiny_gspo.sh"
-# Short runs: 2 RL steps, no validation.
+# Short runs: 2 RL steps, no validation, QUICK's micro-batches.
 TINY_ARGS = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false", *QUICK]
 HANG_S = 600  # the limit on anything a launcher test waits for: only a hang reaches it
 TAG = "MOE_RL_TEST_LAUNCH"  # in a launcher's environment, so in that of everything it starts
