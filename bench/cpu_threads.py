@@ -80,7 +80,7 @@ def measure(rank: int, checkpoint: str, repeats: int) -> dict:
 
 def run(checkpoint: str, threads: int, policy: str, repeats: int) -> dict:
     """One rank in a fresh process; the wait policy is set before the process loads OpenMP."""
-    saved = os.environ.get("OMP_WAIT_POLICY")
+    saved = os.environ.pop("OMP_WAIT_POLICY", None)  # "default": libgomp's own, whatever the caller set
     if policy != "default":
         os.environ["OMP_WAIT_POLICY"] = policy
     try:
