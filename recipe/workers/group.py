@@ -279,7 +279,7 @@ class WorkerGroup:
                 num_cpus=cpus_per_worker,
                 **device_options(device),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local),
-            ).remote(node * pool.devices_per_node + local, self.world_size, cpus_per_worker, pool.roles)
+            ).remote(node * pool.devices_per_node + local, self.world_size, pool.roles)
             for node, group in enumerate(self.groups)
             for local in range(pool.devices_per_node)
         ]

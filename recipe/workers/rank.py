@@ -109,14 +109,17 @@ def busy(method: Callable) -> Callable:
 
 
 class Rank:
-    def __init__(self, rank: int, world_size: int, threads: int, roles: Roles):
+    def __init__(self, rank: int, world_size: int, roles: Roles):
         self.rank, self.world_size, self.roles = rank, world_size, roles
         self.busy: dict[str, float] = {}
         self.profiler: torch.profiler.profile | None = None
         self.actor: ActorWorker | None = None
         self.rollout: RolloutWorker | None = None
         self.weights = self.plan = None  # a pool of its own: the weight group and what crosses it
-        torch.set_num_threads(threads)
+        # One intra-op thread, whatever cores the rank's share holds. On a device, torch's host work is
+        # light; on the CPU the models are the tiny ones, too small for a second thread to pay: one rank
+        # of the tiny model trained at 3,645 tokens/s on one thread and 2,959 on two (docs/bench_actor.md).
+        torch.set_num_threads(1)
         quiet_known_warnings()
 
     def address(self) -> tuple[str, int]:
