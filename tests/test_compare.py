@@ -193,12 +193,15 @@ def test_the_stability_presets_run_in_a_comparison(tmp_path, capsys):
     tests/test_recipe_learning.py are 1e-5 mean probability gap and 1e-6 k3 KL; bf16 measured 2e-4 and
     2e-5 at least); under the off-policy preset, at matching precision, it does not. The off-policy
     comparison's variants see the same prompts in the same order and the same initial weights (from
-    their logs), replay is on in one only, and run again, nothing is re-run."""
+    their logs), replay is on in one only, and run again, nothing is re-run. The triggers, not the
+    training pool, are the subject: one training rank and larger micro-batches."""
     short = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",
-             "trainer.val_before_train=false"]
+             "trainer.val_before_train=false", *ONE_TRAIN_RANK, *QUICK]
+    # the off-policy preset's optimizer step on one rank: 2 prompts x 8 responses, one micro-batch
+    micro = {"gap": [], "offpolicy": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]}
     for preset, variants in (("gap", "grpo_tis"), ("offpolicy", "grpo,gspo_r2")):
         args = ["--config", f"configs/recipe/tiny_stability_{preset}.yaml", "--variants", variants,
-                "--out", str(tmp_path / preset), *short]
+                "--out", str(tmp_path / preset), *short, *micro[preset]]
         out = _compare(*args)
         assert out.returncode == 0, out.stderr[-3000:]
         summary = json.loads((tmp_path / preset / "report" / "summary.json").read_text())

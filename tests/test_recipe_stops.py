@@ -1,7 +1,8 @@
 """SIGTERM and SIGINT stop the tiny CPU recipe (real Ray workers, megatron-core on gloo ranks)
 cleanly, with one line saying where a re-run resumes, under a cluster of its own or a joined one
 (``ray job submit``); a re-run resumes there; a damaged checkpoint is skipped or refused. The runs take
-larger micro-batches (``QUICK``); the stops at a step's end and under a joined cluster, one training rank."""
+larger micro-batches (``QUICK``) and one training rank (``ONE_TRAIN_RANK``): the subject is the stop,
+not the training pool."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def assert_clean_stop(stderr: str, line: str) -> None:
     assert [s for s in stderr.splitlines() if s.startswith("stopped by")] == [line], stderr
 
 
-STEPS = ["--config", TINY["gspo"], "trainer.test_freq=-1", "trainer.val_before_train=false", *QUICK]
+STEPS = ["--config", TINY["gspo"], "trainer.test_freq=-1", "trainer.val_before_train=false", *QUICK, *ONE_TRAIN_RANK]
 
 
 @pytest.mark.slow
@@ -118,7 +119,7 @@ def test_sigterm_to_the_process_group_stops_cleanly(tmp_path):
 @pytest.mark.slow
 def test_sigterm_with_a_grace_period_saves_at_the_step_end(tmp_path):
     run = tmp_path / "run"
-    code, _, stderr = signalled_run(STEPS + ONE_TRAIN_RANK + [
+    code, _, stderr = signalled_run(STEPS + [
         "trainer.save_freq=-1", "trainer.total_training_steps=8", "trainer.save_on_sigterm_grace_s=600",
         f"trainer.default_local_dir={run}"], "step 1 |", [signal.SIGTERM], tmp_path)
     assert code == 143
@@ -199,7 +200,7 @@ def test_sigterm_under_a_joined_cluster_leaves_the_cluster_up(tmp_path):
             assert head.poll() is None and time.time() < deadline, f"the Ray head did not come up:\n{head_log.read()}"
             time.sleep(2)
         run = tmp_path / "run"
-        code, _, stderr = signalled_run(STEPS + ONE_TRAIN_RANK + [
+        code, _, stderr = signalled_run(STEPS + [
             "trainer.save_freq=1", "trainer.total_training_steps=8", f"trainer.default_local_dir={run}"],
             "step 1 |", [signal.SIGTERM], tmp_path, env=client)
         assert code == 143
