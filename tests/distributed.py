@@ -27,7 +27,12 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, platform_name: s
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
     import torch.distributed as dist
+
+    # torch was loaded in the server, before OMP_NUM_THREADS: one thread a rank, as the recipe's
+    # ranks run (two on two cores per rank would oversubscribe them)
+    torch.set_num_threads(1)
 
     from megatron_bridge.runtime import platform
 

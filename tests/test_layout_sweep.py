@@ -128,11 +128,6 @@ def _run_layout(train: TrainParallel, checkpoint: str, batch: dict, reference) -
 
 
 def _sweep(rank, world_size, layouts, checkpoint, batch, reference):
-    import torch
-
-    # torch was imported before the spawn set OMP_NUM_THREADS=1: 2 threads per rank would
-    # oversubscribe the cores
-    torch.set_num_threads(1)
     results = {}
     for train in layouts:
         try:
