@@ -4,15 +4,7 @@ import os
 import subprocess
 
 import pytest
-
-# The two test processes share the cores with the ranks, Ray workers and commands they start. An
-# OpenMP thread spins for a while after its parallel region (libgomp's default), taking CPU another
-# process needs: with two 1-rank runs at once, sleeping instead saves 15-27 % of their CPU time and
-# 7-18 % of their wall time (README, Tests). It changes no result. Set before torch loads libgomp;
-# the xdist workers, subprocesses and local Ray inherit it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 MAIN_JOB_S = 2400  # hang guard for the README's main job on a loaded 2-core machine (alone: ~2.5 min)
 
