@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 TINY = {"gspo": "configs/recipe/tiny_gspo.yaml", "grpo": "configs/recipe/tiny_grpo.yaml"}
 # metrics that measure the machine, not the computation; on the CPU the train-rollout gap is fp32
-# rounding between two kernels (1e-7..1e-6), which changes with the threads each rank gets
+# rounding between two kernels (1e-7..1e-6), which changes with the rows each rank's passes hold
 VOLATILE = ("timing_s/", "perf/", "reshard/export_s", "training/rollout_", "rollout_corr/")
 # Fewer, larger micro-batches than the tiny recipes' 8 rows: for runs that test a flow (signals, async
 # schedules and faults, the comparison, the launcher) rather than the update, half the step's time

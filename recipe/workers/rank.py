@@ -116,9 +116,8 @@ class Rank:
         self.actor: ActorWorker | None = None
         self.rollout: RolloutWorker | None = None
         self.weights = self.plan = None  # a pool of its own: the weight group and what crosses it
-        # One intra-op thread, whatever cores the rank's share holds. On a device, torch's host work is
-        # light; on the CPU the models are the tiny ones, too small for a second thread to pay: one rank
-        # of the tiny model trained at 3,645 tokens/s on one thread and 2,959 on two (docs/bench_actor.md).
+        # One intra-op thread, whatever the rank's share of cores: on a device torch's host work is
+        # light, and the CPU runs the tiny models, slower on two threads than on one (docs/bench_actor.md).
         torch.set_num_threads(1)
         quiet_known_warnings()
 
