@@ -17,11 +17,11 @@ the cores as the 4-rank layouts do):
   the local buffer through each rank, an all-to-all (n-1)/n of it:
   ``megatron_bridge.plan.collectives``); then the same calls of 16 and 64 KiB each after a forward
   of one decoder layer, as the actor issues them: what a call adds there, less its bytes at that
-  rate, is the sheet's latency where every rank has a core of its own (it includes waiting for a
-  peer held up by its compute or by the scheduler, which back-to-back calls never do); where the
-  ranks share the cores at least two a core (4 x 1 on 2 cores) a waiting rank sleeps while another
-  computes on its core, so the sheet's latency is the back-to-back one and the sheet says
-  ``ranks_share_cores`` (the planner then counts no pipeline bubble);
+  rate, per ring step (n - 1 over the probe's n ranks; ``step_time.launch_seconds`` counts a
+  group's n - 1), is the sheet's latency (it includes waiting for a peer held up by its compute or
+  by the scheduler, which back-to-back calls never do); where the ranks share the cores at least
+  two a core (4 x 1 on 2 cores) the sheet says ``ranks_share_cores`` (the planner then counts no
+  pipeline bubble: the waiting stage leaves its core to the busy one);
 - one decoder layer of the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, megatron's
   GPTModel with the kernels the CPU actor builds: torch SDPA, grouped-GEMM experts, fp32), as the
   difference between a 2-layer and a 1-layer model, forward and backward separately, at 4 rows of
@@ -31,10 +31,13 @@ the cores as the 4-rank layouts do):
   rest of the model (the 1-layer model less that layer: embedding, output layer and the actor's
   chunked log-probs, ``loss.vocab_parallel``, on half of each row) less the output layer's FLOPs
   at that rate, a fixed cost per micro-batch (the median over the lengths);
-- the actor's optimizer step (``MegatronActor.optimizer_step``: megatron's distributed Adam with
-  the gradient norm, the clip and the parameter all-gather) over the 1- and 2-layer models'
-  parameters, less this rank's share of their Adam bytes at the copy rate and the all-gather of
-  the rest at the gloo fit (``step_time`` counts both): its fixed cost, the median;
+- the actor's own train step (``MegatronActor.train_step``, the GSPO loss the bench trains with) on
+  the 1- and 2-layer models, at one and two micro-batches of 4 rows of 128 tokens, and a bare
+  forward and backward of one such micro-batch, in turns: what the step adds per micro-batch
+  (megatron's schedule, the policy loss beyond the log-probs; counted with the rest of the model's
+  backward) and per step (the optimizer's gradient norm, clip and Python, the step's metric sums),
+  beyond the Adam bytes at the copy rate and the gradient reduce-scatter and parameter all-gather
+  at the gloo fit, which ``step_time`` counts as terms of their own;
 - the memory copy rate (``Tensor.copy_`` of 32 MiB, read + write), at which the planner counts
   the optimizer's Adam bytes;
 
@@ -47,11 +50,14 @@ reads. A 1-rank sheet has no peers to measure collectives with: its link figures
 probe's (it uses none of them: a single rank sends nothing).
 
 ``compare`` runs bench/actor_throughput.py's layouts (its default batch: 16 rows, micro-batches of 4
-rows padded to the longest, one optimizer step; median of ``--steps`` after a warm-up) and beside
-each measured train step the planner's prediction for it (``step_time.optimizer_step``: that
-layout, micro-batches of 4 sequences at the padded length, at the sheet of the layout's ranks x
-threads), with the error and the order of the layouts by each. Nothing of the comparison feeds back
-into the sheets. The log-prob pass is shown too (``step_time.log_prob_pass``), not judged.
+rows padded to the longest, one optimizer step; median of ``--steps`` after a warm-up), every layout
+once in each of ``--rounds`` rounds, and beside each measured train step (the rounds' median) the
+planner's prediction for it (``step_time.optimizer_step``: that layout, micro-batches of 4
+sequences at the padded length, at the sheet of the layout's ranks x threads), with the error and
+the order of the layouts by each, and which pairs of layouts the rounds tell apart (every round of
+one faster than every round of the other; closer pairs trade places between runs). Nothing of the
+comparison feeds back into the sheets. The log-prob pass is shown too (``step_time.log_prob_pass``),
+not judged.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -242,29 +249,59 @@ def _parameter_gather(model) -> None:
     dist.all_gather_into_tensor(torch.empty(dist.get_world_size() * local.numel()), local)
 
 
-def _optimizer_steps(spec: ModelSpec, repeats: int) -> list[dict]:
-    """Seconds of the actor's optimizer step (``MegatronActor.optimizer_step``: megatron's
-    distributed Adam, with the gradient norm, the clip and the parameter all-gather) over the 1- and
-    2-layer models' parameters, gradients in their buffers; and the parameters this rank updates
-    (1/DP of them: every rank a data-parallel replica)."""
+def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
+    """Seconds of the actor's own train step (``MegatronActor.train_step`` with the GSPO policy loss
+    bench/actor_throughput.py trains with: megatron's schedule, the gradient sync, the distributed
+    Adam with the gradient norm, the clip and the parameter all-gather) on the 1- and 2-layer models,
+    for one and two micro-batches of 4 rows of 128 tokens (half of them response), and the bare
+    forward and backward of one such micro-batch (the model and the log-probs, as the layer probe
+    times them), the three in turns; and the parameters this rank updates (1/DP of them: every rank a
+    data-parallel replica)."""
     import torch.distributed as dist
 
+    from bench.actor_throughput import BatchShape, make_batch
+    from loss.gspo import PAPER_SETTINGS
+    from loss.megatron_hook import ActorLossConfig, log_prob_func, policy_loss_func
+    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.runtime.actor import MegatronActor
     from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.runtime.optim import OptimConfig
 
+    loss_cfg = ActorLossConfig(loss_mode="gspo", policy=PAPER_SETTINGS)
+    shape = BatchShape(rows=2 * LAYER_ROWS, prompt=64, response=64, micro_batch=LAYER_ROWS, lengths="fixed")
     out = []
     for layers in (1, 2):
         actor = MegatronActor(replace(spec, num_layers=layers), TrainParallel(), BuildOptions(params_dtype=torch.float32),
                               OptimConfig(lr=1e-6), "cpu")
         actor.build_optimizer()
-        for chunk in actor.chunks:
-            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                buffer.grad_data.normal_(std=1e-3)
-        params = sum(p.numel() for chunk in actor.chunks for p in chunk.parameters())
+        batch = make_batch(shape, spec.vocab_size)
+        batch["old_log_probs"] = actor.forward_only(batch, LAYER_ROWS, partial(log_prob_func, 1.0, False))["log_probs"]
+        one = {k: v[:LAYER_ROWS] for k, v in batch.items()}
+        model, s = actor.chunks[0], shape.prompt + shape.response
+        scored = (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(shape.prompt - 1, s - 1)).flatten()
+        targets = batch["input_ids"][:LAYER_ROWS, shape.prompt:].flatten()
+
+        def bare():
+            logits = model(input_ids=one["input_ids"], position_ids=torch.arange(s).expand(LAYER_ROWS, s),
+                           attention_mask=None)
+            log_probs, _ = vocab_parallel_log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), scored,
+                                                                targets, 1.0, True, reuse_logits=True)
+            log_probs.mean().backward()
+
+        calls = {"bare_s": bare, "step1_s": partial(actor.train_step, one, LAYER_ROWS, partial(policy_loss_func, loss_cfg)),
+                 "step2_s": partial(actor.train_step, batch, LAYER_ROWS, partial(policy_loss_func, loss_cfg))}
+        times: dict[str, list[float]] = {k: [] for k in calls}
         dist.barrier()
-        out.append({"params": params, "ranks": dist.get_world_size(), "s": median_seconds(actor.optimizer_step, repeats)})
+        for rep in range(repeats + 2):  # two warm-ups
+            for key, call in calls.items():
+                start = time.perf_counter()
+                call()
+                if rep >= 2:
+                    times[key].append(time.perf_counter() - start)
+        params = sum(p.numel() for chunk in actor.chunks for p in chunk.parameters())
+        out.append({"params": params, "ranks": dist.get_world_size(),
+                    **{k: statistics.median(v) for k, v in times.items()}})
     return out
 
 
@@ -275,12 +312,14 @@ def probe_rank(rank: int, repeats: int) -> dict:
     collectives = _collectives(repeats) if dist.get_world_size() > 1 else []
     models = _build_models(spec)
     _parameter_gather(models[2])
-    between = _between_compute(models[1], spec, repeats) if dist.get_world_size() > 1 else []
+    # a difference of two medians of noisy loops: four times the repeats (three probes' figures then
+    # agree within ~10 %, against 2x apart at the plain repeats)
+    between = _between_compute(models[1], spec, 4 * repeats) if dist.get_world_size() > 1 else []
     dist.barrier()
     layers = _layer_times(spec, models, repeats)
     dist.barrier()
-    optimizer = _optimizer_steps(spec, repeats)
-    return {"collectives": collectives, "between": between, "layers": layers, "optimizer": optimizer,
+    steps = _train_steps(spec, repeats)
+    return {"collectives": collectives, "between": between, "layers": layers, "steps": steps,
             "copy_bytes_s": _copy_rate(repeats)}
 
 
@@ -314,19 +353,26 @@ def fit_layer(points: list[dict]) -> dict[str, float]:
             "rest_bwd_s": rest_bwd}
 
 
-def fit_optimizer(points: list[dict], copy_bytes_s: float, collectives: dict[str, float] | None) -> float:
-    """The optimizer step's fixed cost (seconds): what a step takes beyond its shard's Adam bytes at
-    the copy rate (step_time.optimizer_update_seconds) and its parameter all-gather (fp32, at the
-    probe's back-to-back gloo fit; the planner counts that as its own term), median over the points."""
+def fit_train_step(points: list[dict], copy_bytes_s: float, collectives: dict[str, float] | None) -> dict[str, float]:
+    """What the actor's train step takes beyond the bare passes of its micro-batches (seconds):
+    per micro-batch (megatron's schedule, the policy loss beyond the log-probs: a second micro-batch
+    less its bare pass) and per step (the optimizer's gradient norm, clip and Python, the step's
+    count and metric all-reduces: the one-micro-batch step less its micro-batch, its shard's Adam
+    bytes at the copy rate and its gradient reduce-scatter and parameter all-gather, fp32, at the
+    probe's back-to-back gloo fit, which the planner counts as terms of their own); medians over the
+    points."""
     from megatron_bridge.plan.collectives import ring_bytes
     from megatron_bridge.plan.step_time import ADAM_BYTES
 
-    def beyond(p: dict) -> float:
-        n = p["ranks"]
-        gather = collectives["latency_s"] + ring_bytes(p["params"] * 4, n) / collectives["bytes_s"] if n > 1 else 0.0
-        return p["s"] - p["params"] / n * ADAM_BYTES / copy_bytes_s - gather
+    def micro_batch(p: dict) -> float:
+        return p["step2_s"] - p["step1_s"] - p["bare_s"]
 
-    return statistics.median(beyond(p) for p in points)
+    def fixed(p: dict) -> float:
+        n = p["ranks"]
+        sync = 2 * (collectives["latency_s"] + ring_bytes(p["params"] * 4, n) / collectives["bytes_s"]) if n > 1 else 0.0
+        return 2 * p["step1_s"] - p["step2_s"] - p["params"] / n * ADAM_BYTES / copy_bytes_s - sync
+
+    return {"micro_batch_s": statistics.median(map(micro_batch, points)), "step_s": statistics.median(map(fixed, points))}
 
 
 def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
@@ -335,7 +381,7 @@ def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
     layers = [p for r in ranks for p in r["layers"]]
     out: dict[str, Any] = {"layer": fit_layer(layers), "layer_points": layers, "collective_points": collectives,
                            "copy_bytes_s": statistics.median(r["copy_bytes_s"] for r in ranks),
-                           "optimizer_points": [p for r in ranks for p in r["optimizer"]]}
+                           "step_points": [p for r in ranks for p in r["steps"]]}
     if collectives:
         out["collectives"] = fit_collectives(collectives)
         out["by_op"] = {op: fit_collectives([p for p in collectives if p["op"] == op])
@@ -345,13 +391,13 @@ def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
             rate = out["collectives"]["bytes_s"]
             out["between_latency_s"] = statistics.median(p["s"] - p["through_bytes"] / rate for p in between)
             out["between_points"] = between
-    out["optimizer_fixed_s"] = fit_optimizer(out["optimizer_points"], out["copy_bytes_s"], out.get("collectives"))
+    out["train_step"] = fit_train_step(out["step_points"], out["copy_bytes_s"], out.get("collectives"))
     return out
 
 
 def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], command: str, when: str) -> str:
     """A hardware sheet of the probe's figures (configs/hardware/*.yaml's format)."""
-    layer, col = fit["layer"], links["collectives"]
+    layer, step, col = fit["layer"], fit["train_step"], links["collectives"]
     where = (f"python {SCRIPT} probe on {when}: {ranks} gloo rank(s) at once, {threads} intra-op thread(s) each, "
              f"on {cpu_cores()} cores")
     own = ranks > 1
@@ -362,17 +408,16 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
     def figure(value: float, source: str) -> dict:
         return {"value": float(f"{value:.4g}"), "kind": "measured", "by": "probe", "source": source}
 
-    # With a core each, a call's wait for a peer still computing is time the step loses: the latency
-    # between compute. Ranks that share the cores, at least two a core, sleep in that wait while
-    # another rank computes on their core (the layer rate was measured with every rank busy): the
-    # call costs what it costs back to back, and a pipeline stage's bubble costs nothing.
+    # The latency between compute: a call's wait for a peer still computing, or held up by the
+    # scheduler, is time the step loses. Per ring step: the probe's calls span all the ranks (n - 1
+    # steps), the layouts' groups fewer (step_time.launch_seconds). Ranks that share the cores, at
+    # least two a core, leave their core to another rank while a pipeline stage waits: no bubble.
     shared = ranks * threads >= 2 * cpu_cores()
-    latency_s = col["latency_s"] if shared else links.get("between_latency_s", col["latency_s"])
-    latency_words = (f"the back-to-back fit's intercept: {ranks} x {threads} threads share {cpu_cores()} cores, so a "
-                     f"rank waiting for a peer leaves its core to the others (between compute a call adds "
-                     f"{links.get('between_latency_s', float('nan')) * 1e6:.0f} us)" if shared else
-                     "what a gloo call adds between two forwards of a decoder layer, less its bytes at the fitted rate "
-                     f"(back to back the fit's intercept is {col['latency_s'] * 1e6:.0f} us)"
+    steps = links["ranks"] - 1
+    latency_s = links.get("between_latency_s", col["latency_s"]) / steps
+    latency_words = ("what a gloo call over all the probe's ranks adds between two forwards of a decoder layer, less "
+                     f"its bytes at the fitted rate, per ring step ({steps} over {links['ranks']} ranks; back to back "
+                     f"the fit's intercept is {col['latency_s'] * 1e6:.0f} us a call)"
                      f"{'' if own else ' (2-rank probe)'}")
 
     data = {
@@ -390,16 +435,20 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
             "layer_forward_us": float(f"{max(0.0, layer['fixed_fwd_s']) * 1e6:.4g}"),
             "layer_backward_us": float(f"{max(0.0, layer['fixed_bwd_s']) * 1e6:.4g}"),
             "micro_batch_forward_us": float(f"{max(0.0, layer['rest_fwd_s']) * 1e6:.4g}"),
-            "micro_batch_backward_us": float(f"{max(0.0, layer['rest_bwd_s']) * 1e6:.4g}"),
-            "optimizer_step_us": float(f"{max(0.0, fit['optimizer_fixed_s']) * 1e6:.4g}"),
+            # a training micro-batch's: the rest of the model's backward and the actor's schedule and loss
+            "micro_batch_backward_us": float(f"{max(0.0, layer['rest_bwd_s'] + step['micro_batch_s']) * 1e6:.4g}"),
+            "optimizer_step_us": float(f"{max(0.0, step['step_s']) * 1e6:.4g}"),
             "ranks_share_cores": shared,
             "by": "probe",
             "source": f"{where}; latency: {latency_words}; layer: the "
                       "fixed cost per micro-batch of the decoder layer fit; micro_batch: the 1-layer model with "
                       "the log-probs less its layer, less the output layer's FLOPs at the layer's rate (median "
-                      "over the lengths); optimizer_step: the actor's optimizer step over the 1- and 2-layer "
-                      "models less its Adam bytes at hbm_gb_s and its fp32 parameter all-gather at the back-to-back "
-                      "gloo fit (median)",
+                      "over the lengths), the backward's plus what the actor's train step adds per micro-batch "
+                      "(megatron's schedule, the policy loss: a 2-micro-batch step less a 1-micro-batch one less "
+                      "a bare forward and backward); optimizer_step: what the actor's train step adds per step "
+                      "over the 1- and 2-layer models (the 1-micro-batch step less that micro-batch, its Adam "
+                      "bytes at hbm_gb_s, its fp32 gradient reduce-scatter and parameter all-gather at the "
+                      "back-to-back gloo fit; median)",
         },
     }
     header = (f"# Rates of this machine's CPU gloo ranks ({ranks} x {threads}), MEASURED by:\n#   {command}\n"
@@ -449,7 +498,8 @@ def describe_fit(fit: dict) -> str:
     layer = fit["layer"]
     words = (f"layer {layer['flops_s'] / 1e9:.2f} GFLOP/s + {layer['fixed_fwd_s'] * 1e3:.2f} ms fwd / "
              f"{layer['fixed_bwd_s'] * 1e3:.2f} ms bwd fixed; rest of the model {layer['rest_fwd_s'] * 1e3:.2f} / "
-             f"{layer['rest_bwd_s'] * 1e3:.2f} ms; optimizer step {fit['optimizer_fixed_s'] * 1e3:.2f} ms fixed; "
+             f"{layer['rest_bwd_s'] * 1e3:.2f} ms; the train step adds {fit['train_step']['micro_batch_s'] * 1e3:.2f} ms "
+             f"a micro-batch, {fit['train_step']['step_s'] * 1e3:.2f} ms a step; "
              f"copy {fit['copy_bytes_s'] / GB:.1f} GB/s")
     if "collectives" in fit:
         c = fit["collectives"]
@@ -460,9 +510,10 @@ def describe_fit(fit: dict) -> str:
 
 def probe_table(fits: dict) -> str:
     lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
-             "rest of the model fwd (ms) | rest bwd (ms) | optimizer step fixed (ms) | gloo latency between compute "
+             "rest of the model fwd (ms) | rest bwd (ms) | train step per micro-batch (ms) | train step fixed (ms) | "
+             "gloo latency between compute "
              "(us) | gloo latency back to back (us) | gloo rate (GB/s) | all-gather fit | all-to-all fit | copy (GB/s) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
     for (ranks, threads), fit in sorted(fits.items()):
         layer = fit["layer"]
         if "collectives" in fit:
@@ -475,7 +526,8 @@ def probe_table(fits: dict) -> str:
             cells = ["—"] * 5
         lines.append(f"| {ranks} x {threads} | {layer['flops_s'] / 1e9:.2f} | {layer['fixed_fwd_s'] * 1e3:.2f} | "
                      f"{layer['fixed_bwd_s'] * 1e3:.2f} | {layer['rest_fwd_s'] * 1e3:.2f} | "
-                     f"{layer['rest_bwd_s'] * 1e3:.2f} | {fit['optimizer_fixed_s'] * 1e3:.2f} | " + " | ".join(cells)
+                     f"{layer['rest_bwd_s'] * 1e3:.2f} | {fit['train_step']['micro_batch_s'] * 1e3:.2f} | "
+                     f"{fit['train_step']['step_s'] * 1e3:.2f} | " + " | ".join(cells)
                      + f" | {fit['copy_bytes_s'] / GB:.1f} |")
     return "\n".join(lines)
 
@@ -515,20 +567,28 @@ def order(values: dict[str, float]) -> list[str]:
     return sorted(values, key=values.get)
 
 
+def told_apart(rounds: dict[str, list[float]]) -> list[tuple[str, str]]:
+    """The pairs (faster, slower) of layouts that the measurement tells apart: every round of one
+    faster than every round of the other. Closer pairs trade places between runs of the same
+    command, so no model can be held to their order."""
+    return [(a, b) for a in rounds for b in rounds if max(rounds[a]) < min(rounds[b])]
+
+
 SHOWN_TERMS = (("compute", "compute"), ("tensor_parallel", "TP"), ("expert_all_to_all", "EP"),
                ("pipeline_bubble", "bubble"), ("pipeline_p2p", "p2p"), ("gradient_sync", "grad RS"),
                ("parameter_gather", "param AG"), ("optimizer", "optimizer"))
 
 
 def compare_table(rows: list[dict]) -> str:
-    lines = ["| layout | ranks x threads | sheet | predicted train step s | measured train step s | error | "
+    lines = ["| layout | ranks x threads | sheet | predicted train step s | measured train step s | rounds s | error | "
              + " | ".join(f"predicted {label} s" for _, label in SHOWN_TERMS)
              + " | predicted log-prob s | measured log-prob s | error |",
-             "|---|---|---|--:|--:|--:|" + "--:|" * len(SHOWN_TERMS) + "--:|--:|--:|"]
+             "|---|---|---|--:|--:|--:|--:|" + "--:|" * len(SHOWN_TERMS) + "--:|--:|--:|"]
     for r in rows:
         terms = " | ".join(f"{r['train_terms'][k]:.3f}" for k, _ in SHOWN_TERMS)
         lines.append(f"| {r['layout']} | {r['ranks']} x {r['threads']} | {r['sheet']} | {r['predicted_train']:.3f} | "
-                     f"{r['measured_train']:.3f} | {r['train_error']:+.0%} | {terms} | {r['predicted_log_prob']:.3f} | "
+                     f"{r['measured_train']:.3f} | {min(r['train_rounds']):.3f}-{max(r['train_rounds']):.3f} | "
+                     f"{r['train_error']:+.0%} | {terms} | {r['predicted_log_prob']:.3f} | "
                      f"{r['measured_log_prob']:.3f} | {r['log_prob_error']:+.0%} |")
     return "\n".join(lines)
 
@@ -544,24 +604,32 @@ def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     spec = load_model_spec(MODEL)
     response = round(float(make_batch(shape, spec.vocab_size)["response_mask"].sum()) / shape.rows)  # mean
     load_before = load_before_run()
-    rows = []
+    results: dict[str, list[dict]] = {name: [] for name in args.layouts}
     with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
         checkpoint = save_model(tmp, "tiny")
-        for name in args.layouts:
-            print(f"[{name}] {describe_layout(name)} ...", file=sys.stderr, flush=True)
-            result = run_layout(name, checkpoint, shape, None, args.steps, args.threads, None, "cpu", "fp32")
-            seq_len = result["computed_tokens"] // shape.rows  # every row padded to the longest (x TP)
-            path = sheet_for(name, args.sheets, args.threads)
-            p = predicted(spec, name, seq_len, response, shape.rows, shape.micro_batch, path)
-            train, log_prob = sum(p["train"].values()), sum(p["log_prob"].values())
-            rows.append({"layout": name, "ranks": result["ranks"], "threads": result["threads"],
-                         "sheet": path.name, "seq_len": seq_len,
-                         "predicted_train": train, "measured_train": result["train_s"],
-                         "train_error": train / result["train_s"] - 1, "train_terms": p["train"],
-                         "predicted_log_prob": log_prob, "measured_log_prob": result["log_prob_s"],
-                         "log_prob_error": log_prob / result["log_prob_s"] - 1})
-            print(f"[{name}] train step predicted {train:.3f} s, measured {result['train_s']:.3f} s "
-                  f"({rows[-1]['train_error']:+.0%})", file=sys.stderr, flush=True)
+        # every layout once a round, so that the machine's drift over the run falls on all of them alike
+        for round_ in range(1, args.rounds + 1):
+            for name in args.layouts:
+                print(f"[round {round_}/{args.rounds}] [{name}] {describe_layout(name)} ...", file=sys.stderr, flush=True)
+                results[name].append(run_layout(name, checkpoint, shape, None, args.steps, args.threads, None, "cpu",
+                                                "fp32"))
+    rows = []
+    for name, runs in results.items():
+        seq_len = runs[0]["computed_tokens"] // shape.rows  # every row padded to the longest (x TP)
+        path = sheet_for(name, args.sheets, args.threads)
+        p = predicted(spec, name, seq_len, response, shape.rows, shape.micro_batch, path)
+        train, log_prob = sum(p["train"].values()), sum(p["log_prob"].values())
+        measured_train = statistics.median(r["train_s"] for r in runs)
+        measured_log_prob = statistics.median(r["log_prob_s"] for r in runs)
+        rows.append({"layout": name, "ranks": runs[0]["ranks"], "threads": runs[0]["threads"],
+                     "sheet": path.name, "seq_len": seq_len,
+                     "predicted_train": train, "measured_train": measured_train,
+                     "train_rounds": [r["train_s"] for r in runs],
+                     "train_error": train / measured_train - 1, "train_terms": p["train"],
+                     "predicted_log_prob": log_prob, "measured_log_prob": measured_log_prob,
+                     "log_prob_error": log_prob / measured_log_prob - 1})
+        print(f"[{name}] train step predicted {train:.3f} s, measured {measured_train:.3f} s "
+              f"({rows[-1]['train_error']:+.0%})", file=sys.stderr, flush=True)
     body = compare_report(rows, command_line(SCRIPT, argv), shape, response, args, load_before)
     publish(body, args.out, SCRIPT, "The planner's step time against the CPU actor")
     return 0
@@ -569,17 +637,21 @@ def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 def compare_report(rows: list[dict], command: str, shape, response: int, args: argparse.Namespace,
                    load_before: float) -> str:
-    pred = order({r["layout"]: r["predicted_train"] for r in rows})
-    meas = order({r["layout"]: r["measured_train"] for r in rows})
+    predicted_s = {r["layout"]: r["predicted_train"] for r in rows}
+    pred, meas = order(predicted_s), order({r["layout"]: r["measured_train"] for r in rows})
     worst = max(rows, key=lambda r: abs(r["train_error"]))
     within = sum(abs(r["train_error"]) <= 0.30 for r in rows)
+    apart = told_apart({r["layout"]: r["train_rounds"] for r in rows})
+    swapped = [(a, b) for a, b in apart if predicted_s[a] >= predicted_s[b]]
+    close = [(a, b) for i, a in enumerate(meas) for b in meas[i + 1:] if (a, b) not in apart]
     return "\n".join([
         f"Command: `{command}`",
         "",
         *machine_facts("bench/actor_throughput.py's: max(1, cores // ranks) per rank (single-1t: 1)", load_before),
         f"- batch (bench/actor_throughput.py's default): {shape.describe()}; micro-batches of {shape.micro_batch} "
         f"rows, every row padded to the longest ({rows[0]['seq_len']} tokens, {response} of them response on "
-        f"average); one optimizer step per train step; median of {args.steps} steps after 1 warm-up",
+        f"average); one optimizer step per train step; median of {args.steps} steps after 1 warm-up, in each of "
+        f"{args.rounds} rounds of every layout in turn; measured: the median of the rounds",
         f"- predicted: `megatron_bridge.plan.step_time.optimizer_step` (train step) and `log_prob_pass`, the tiny "
         f"Qwen3-MoE, the layout on one node of its ranks, micro-batches of {shape.micro_batch} sequences at the padded "
         f"length, at the sheet of the layout's ranks x threads ({_shown(args.sheets)}/, "
@@ -592,6 +664,11 @@ def compare_report(rows: list[dict], command: str, shape, response: int, args: a
         f"- order by predicted train step (fastest first): {', '.join(pred)}",
         f"- order by measured train step (fastest first): {', '.join(meas)}",
         f"- the same order: {'yes' if pred == meas else 'no'}",
+        f"- pairs of layouts the rounds tell apart (every round of one faster than every round of the other): "
+        f"{len(apart)} of {len(rows) * (len(rows) - 1) // 2}; in the predicted order: {len(apart) - len(swapped)} of "
+        f"{len(apart)}" + (f" (not: {', '.join(f'{a} < {b}' for a, b in swapped)})" if swapped else ""),
+        f"- pairs whose rounds overlap (their order changes between runs): "
+        f"{', '.join(f'{a} / {b}' for a, b in close) or 'none'}",
     ])
 
 
@@ -629,6 +706,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cmp.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(TABLE_LAYOUTS), metavar="LAYOUT",
                      help=f"layouts (default: bench/actor_throughput.py's table: {', '.join(TABLE_LAYOUTS)})")
     cmp.add_argument("--steps", type=int, default=5, help="measured steps per layout, after one warm-up (default 5)")
+    cmp.add_argument("--rounds", type=int, default=3,
+                     help="times every layout is measured, the layouts in turn each round (default 3)")
     cmp.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the bench's)")
     cmp.add_argument("--sheets", type=Path, default=SHEETS, help="the probe's sheets (default bench/calibration)")
     cmp.add_argument("--out", type=Path, default=None, help="markdown file whose generated block to (re)write")
@@ -642,6 +721,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         if args.steps < 1:
             p.error("--steps must be >= 1")
+        if args.rounds < 1:
+            p.error("--rounds must be >= 1")
         args.sheets = args.sheets.resolve()
         check_out(p, args.out, SCRIPT)
     return args

@@ -186,8 +186,9 @@ SHORT = Workload(seq_len=128, prompt_len=32, response_len=96, global_batch=16, m
 
 
 def test_fixed_costs_per_layer_and_per_collective_launch():
-    # TP2+SP x EP2 (ETP1) on 4 ranks: per layer and pass 2 TP launches; the all-to-all dispatcher 2
-    # (NPU), the allgather one on CPU ranks 4 forward and 3 backward
+    # TP2+SP x EP2 (ETP1) on 4 ranks: per layer and pass 2 TP launches over 2 ranks (one ring step
+    # each); the all-to-all dispatcher 2 over the EP group of 2 (NPU), the allgather one on CPU ranks
+    # 4 forward and 3 backward over ETP x EP = 2 ranks
     train = TrainParallel(tp=2, ep=2, etp=1, sequence_parallel=True)
     bare_rates = replace(FIXED, latency=0, layer_forward=0, layer_backward=0, micro_batch_forward=0,
                          micro_batch_backward=0)
@@ -207,10 +208,16 @@ def test_fixed_costs_per_layer_and_per_collective_launch():
             launches = sum(ep_launches) if training else ep_launches[0]
             assert fixed.expert_all_to_all - bare.expert_all_to_all == pytest.approx(4 * launches * 1e-3)
     # the allgather dispatcher's bytes: each rank's 512 / TP tokens x 64 x 2 bytes, gathered from the
-    # TP x EP = 4 ranks and reduce-scattered back, 3/4 of the 4 ranks' buffer each, per pass
+    # ETP x EP ranks and reduce-scattered back, (n-1)/n of the n ranks' buffer each, per pass: with
+    # ETP1 the EP pair; with ETP2 all 4 ranks, whose launches are three ring steps each
     local = 512 / 2 * 64 * 2
     on_cpu = step_time.micro_batch(TINY, Layout("x", train=train, cluster=CPU4), 4, True, SHORT, bare_rates, False)
+    assert on_cpu.expert_all_to_all == pytest.approx(4 * 2 * local / 1e11)
+    etp2 = Layout("x", train=replace(train, etp=2), cluster=CPU4)
+    on_cpu = step_time.micro_batch(TINY, etp2, 4, True, SHORT, bare_rates, False)
     assert on_cpu.expert_all_to_all == pytest.approx(4 * 2 * 3 * local / 1e11)
+    fixed = step_time.micro_batch(TINY, etp2, 4, True, SHORT, FIXED, False)
+    assert fixed.expert_all_to_all - on_cpu.expert_all_to_all == pytest.approx(4 * 4 * 3 * 1e-3)
     assert step_time.dispatcher(Layout("x", cluster=CPU4)) == "allgather"
     assert step_time.dispatcher(layout()) == "alltoall"
     # 512 tokens a micro-batch, 384 of them response: log-prob chunks of 512 / 16 = 32 rows, 12 of
@@ -222,15 +229,16 @@ def test_fixed_costs_per_layer_and_per_collective_launch():
     assert step_time.edge_launches(tp2, SHORT, True, False, True) == 2
     assert step_time.edge_launches(Layout("x", cluster=CPU4), SHORT, True, True, True) == 0  # no TP
     assert step_time.launches_per_layer(layout(tp=2, ep=8, etp=2, cp=2)) == {
-        "tensor_parallel": 2, "expert_all_to_all": 4, "context_parallel": 1}
+        "tensor_parallel": 2, "expert_all_to_all": 2, "expert_tp": 2, "context_parallel": 1}
     # a pipeline send: one launch per send; the gradient sync: one reduce-scatter, one all-gather a group
     pp = Layout("x", train=TrainParallel(pp=2), cluster=Cluster(devices_per_node=2))
     assert step_time.micro_batch(TINY, pp, 2, False, SHORT, FIXED, True).pipeline_p2p == pytest.approx(
         2 * (4 * 128 * 64 * 2 / 1e11 + 1e-3))
-    dp2 = Layout("x", cluster=Cluster(devices_per_node=2))
-    sync = step_time.gradient_sync(TINY, dp2, 0, FIXED)
-    assert sync.reduce_seconds == pytest.approx(sync.reduce_bytes / 1e11 + 1e-3)
-    assert sync.gather_seconds == pytest.approx(sync.gather_bytes / 1e11 + 1e-3)
+    # over n ranks a launch is n - 1 ring steps at the sheet's latency: DP4's reduce-scatter and all-gather 3 each
+    for ranks in (2, 4):
+        sync = step_time.gradient_sync(TINY, Layout("x", cluster=Cluster(devices_per_node=ranks)), 0, FIXED)
+        assert sync.reduce_seconds == pytest.approx(sync.reduce_bytes / 1e11 + (ranks - 1) * 1e-3)
+        assert sync.gather_seconds == pytest.approx(sync.gather_bytes / 1e11 + (ranks - 1) * 1e-3)
 
 
 def test_one_optimizer_step_by_hand_and_the_rl_step_made_of_them():
@@ -397,22 +405,36 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     # the rest of the model: 1 ms forward, 1.5 ms backward beyond the output layer's FLOPs
     layers = [{"flops": f, "fwd_s": 2e-3 + f / 4e9, "bwd_s": 3e-3 + 2 * f / 4e9, "logits_flops": f / 10,
                "rest_fwd_s": 1e-3 + f / 10 / 4e9, "rest_bwd_s": 1.5e-3 + 2 * f / 10 / 4e9} for f in (1e6, 1e7, 5e7)]
-    # the optimizer step on 2 ranks: 7 ms + its half of the parameters' 28 Adam bytes at the copy rate
-    # + the all-gather of the other half's fp32 parameters at the gloo fit
-    optimizer = [{"params": n, "ranks": 2, "s": 7e-3 + n / 2 * 28 / 5e9 + 800e-6 + n / 2 * 4 / 0.5e9}
-                 for n in (1e5, 3e5)]
-    fit = probe.summarise_probe([{"collectives": collectives, "layers": layers, "optimizer": optimizer,
-                                  "copy_bytes_s": 5e9}])
+    # the actor's train step on 2 ranks: a bare micro-batch 20 ms; the schedule and the loss add 1 ms a
+    # micro-batch; a step adds 7 ms + its half of the parameters' 28 Adam bytes at the copy rate + the
+    # reduce-scatter of the gradients and the all-gather of the parameters (fp32) at the gloo fit
+    def step(n: float, micro_batches: int) -> float:
+        return 7e-3 + n / 2 * 28 / 5e9 + 2 * (800e-6 + n / 2 * 4 / 0.5e9) + micro_batches * (20e-3 + 1e-3)
+
+    steps = [{"params": n, "ranks": 2, "bare_s": 20e-3, "step1_s": step(n, 1), "step2_s": step(n, 2)} for n in (1e5, 3e5)]
+    fit = probe.summarise_probe([{"collectives": collectives, "layers": layers, "steps": steps, "copy_bytes_s": 5e9}])
     assert fit["collectives"] == pytest.approx({"latency_s": 800e-6, "bytes_s": 0.5e9})
     assert fit["layer"] == pytest.approx({"fixed_fwd_s": 2e-3, "fixed_bwd_s": 3e-3, "flops_s": 4e9,
                                           "rest_fwd_s": 1e-3, "rest_bwd_s": 1.5e-3})
-    assert fit["optimizer_fixed_s"] == pytest.approx(7e-3)
+    assert fit["train_step"] == pytest.approx({"micro_batch_s": 1e-3, "step_s": 7e-3})
     fit.update(ranks=2, when="now")
     path = tmp_path / "cpu.yaml"
     path.write_text(probe.sheet(2, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
     hw = load_hardware(str(path))
     assert hw.device == "cpu" and hw.bf16_tflops.kind == "measured" and hw.bf16_tflops.by == "probe"
     r = Rates.of(hw, Assumptions())  # the MFU leaves a measured rate alone
+    # the latency per ring step: the probe's 2 ranks are one; a training micro-batch's rest adds the train step's 1 ms
     assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward, r.micro_batch_forward,
-            r.micro_batch_backward, r.optimizer_step) == pytest.approx((4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 1.5e-3,
+            r.micro_batch_backward, r.optimizer_step) == pytest.approx((4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 2.5e-3,
                                                                          7e-3))
+    fit.update(ranks=4)  # a 4-rank probe's calls span three ring steps
+    path.write_text(probe.sheet(4, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
+    assert Rates.of(load_hardware(str(path)), Assumptions()).latency == pytest.approx(800e-6 / 3, rel=1e-3)
+
+
+def test_the_comparison_holds_the_model_only_to_pairs_the_rounds_tell_apart():
+    from bench.plan_calibrate import told_apart
+
+    # a's rounds all beat b's; c's overlap both, so neither pair with c has an order to reproduce
+    rounds = {"a": [0.10, 0.12], "b": [0.13, 0.15], "c": [0.11, 0.14]}
+    assert told_apart(rounds) == [("a", "b")]

@@ -16,20 +16,22 @@ each device computes 1/(TP*CP) of its stage's micro-batch. Micro-batches are pac
 sequence is taken at the mean length (which understates attention's s^2 when lengths spread). The
 kernel path counts where it changes the work: megatron's local attention adds its scores' memory
 traffic; grouped or sequential experts are the same FLOPs at the same rate. Fixed costs count where
-the sheet measured them (``hardware.Overheads``, 0 otherwise): each collective launch's latency
+the sheet measured them (``hardware.Overheads``, 0 otherwise): each collective launch's latency,
+n-1 times the sheet's over a group of n (``launch_seconds``)
 (per layer and pass: TP 2, EP dispatch and combine 2, ETP 2, CP's ring steps CP-1; on CPU ranks,
 whose actor builds megatron's allgather MoE dispatcher, its 4 launches forward and 3 backward over
-TP x EP in place of the all-to-all; under TP the embedding's, the output layer's and the log-probs'
+ETP x EP in place of the all-to-all; under TP the embedding's, the output layer's and the log-probs'
 launches (``edge_launches``); a pipeline send;
 one reduce-scatter and one all-gather, or one all-reduce, per gradient group, the buffers taken as
 one bucket; where the sheet's ranks share the cores, at least two a core, no pipeline bubble:
 ``bubble_seconds``), each decoder layer's per-micro-batch forward and backward cost beyond its FLOPs
 (on a device of a few cores, Python and kernel launches), and the rest of the model's (embedding,
-output layer, log-probs; counted on the last stage), and an optimizer step's beyond its Adam bytes
-(the gradient norm with its all-reduce, the clip). The optimizer's update counts its Adam bytes at
-the memory rate (``optimizer_update_seconds``). Not counted: the offload to and from the host,
-expert load imbalance, smaller GEMMs' lower efficiency at higher TP, the policy loss's arithmetic
-beyond the log-probs, and the loss's small collectives (its sums).
+output layer, log-probs, and in training the schedule's and the policy loss's; counted on the last
+stage), and an optimizer step's beyond its Adam bytes (the gradient norm with its all-reduce, the
+clip, the step's metric sums). The optimizer's update counts its Adam bytes at the memory rate
+(``optimizer_update_seconds``). Not counted: the offload to and from the host, expert load
+imbalance, smaller GEMMs' lower efficiency at higher TP, and the fixed costs TP adds to a layer
+(its gathers' and scatters' own Python; the sheets measure the layer at TP 1).
 """
 
 from __future__ import annotations
@@ -202,7 +204,8 @@ def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, 
     routed_full = expert_dispatch_bytes(spec, layout, tokens) * t.expert_tp  # ETP gathers the routed tokens
     per_layer_expert = 2 * a2a.seconds(rates) + 2 * ring_seconds(routed_full, g.etp, rates, dpn)
     launches = launches_per_layer(layout)
-    expert_forward = expert_backward = per_layer_expert + launches["expert_all_to_all"] * rates.latency
+    expert_forward = expert_backward = per_layer_expert + (launches["expert_all_to_all"] * launch_seconds(g.ep, rates)
+                                                           + launches["expert_tp"] * launch_seconds(g.etp, rates))
     if dispatcher(layout) == "allgather":
         expert_forward, expert_backward = allgather_dispatch_seconds(spec, layout, tokens, rates)
     boundary = tokens / t.cp * spec.hidden_size * ACTIVATION_BYTES / (t.tp if t.sequence_parallel else 1)
@@ -212,12 +215,12 @@ def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, 
     return MicroBatch(
         compute=compute,
         tensor_parallel=layers * collective_passes * (tp_bytes / link_rate(g.tp, rates, dpn)
-                                                      + launches["tensor_parallel"] * rates.latency)
-        + edge_launches(layout, w, first_stage, last_stage, training) * rates.latency,
+                                                      + launches["tensor_parallel"] * launch_seconds(g.tp, rates))
+        + edge_launches(layout, w, first_stage, last_stage, training) * launch_seconds(g.tp, rates),
         expert_all_to_all=layers * ((1 + recompute) * expert_forward + expert_backward if training else expert_forward),
         context_parallel=layers * cp_passes * (cp_bytes_per_layer(spec, layout, tokens) / link_rate(g.cp, rates, dpn)
-                                               + launches["context_parallel"] * rates.latency),
-        pipeline_p2p=sends * (boundary / link_rate(g.pp, rates, dpn) + rates.latency),
+                                               + launches["context_parallel"] * launch_seconds(Group(2, 1), rates)),
+        pipeline_p2p=sends * (boundary / link_rate(g.pp, rates, dpn) + launch_seconds(Group(2, 1), rates)),
     )
 
 
@@ -229,18 +232,19 @@ def dispatcher(layout: Layout) -> str:
 
 def allgather_dispatch_seconds(spec: ModelSpec, layout: Layout, tokens: int, rates: Rates) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's allgather dispatcher (megatron-core 0.12.1
-    ``MoEAllGatherTokenDispatcher``) over the TP x EP group: forward all-gathers the routing map,
+    ``MoEAllGatherTokenDispatcher``) over the ETP x EP group (``tp_ep_group``, the expert tensor and
+    model parallel group): forward all-gathers the routing map,
     the probabilities and the hidden states of every member's tokens, then reduce-scatters the
     output (4 launches); backward reduce-scatters the probabilities' and hidden states' gradients
     and all-gathers the output's (3). The hidden states' ring carries the bytes (the map and the
     probabilities are top-k x experts bytes a token, left out)."""
     t = layout.train
-    group = Group(t.tp * t.ep, 1)
+    group = Group(t.expert_tp * t.ep, 1)
     if group.size == 1:
         return 0.0, 0.0
     local = tokens / t.cp / (t.tp if t.sequence_parallel else 1) * spec.hidden_size * ACTIVATION_BYTES
     moved = 2 * ring_seconds(local * group.size, group, rates, layout.cluster.devices_per_node)
-    return moved + 4 * rates.latency, moved + 3 * rates.latency
+    return moved + 4 * launch_seconds(group, rates), moved + 3 * launch_seconds(group, rates)
 
 
 def edge_launches(layout: Layout, w: Workload, first_stage: bool, last_stage: bool, training: bool) -> int:
@@ -263,14 +267,21 @@ def edge_launches(layout: Layout, w: Workload, first_stage: bool, last_stage: bo
 
 
 def launches_per_layer(layout: Layout) -> dict[str, int]:
-    """Collective launches of one layer's forward, by term (the backward runs them again): TP's
+    """Collective launches of one layer's forward, by group (the backward runs them again): TP's
     all-gather and reduce-scatter (with SP) or two all-reduces; EP's dispatch and combine, and ETP's
     gather and scatter of the routed tokens (the all-to-all dispatcher; ``allgather_dispatch_seconds``
-    counts the other); CP's CP-1 ring steps."""
+    counts the other); CP's CP-1 ring steps (each a send to the next rank)."""
     t = layout.train
-    return {"tensor_parallel": 2 if t.tp > 1 else 0,
-            "expert_all_to_all": (2 if t.ep > 1 else 0) + (2 if t.expert_tp > 1 else 0),
-            "context_parallel": t.cp - 1}
+    return {"tensor_parallel": 2 if t.tp > 1 else 0, "expert_all_to_all": 2 if t.ep > 1 else 0,
+            "expert_tp": 2 if t.expert_tp > 1 else 0, "context_parallel": t.cp - 1}
+
+
+def launch_seconds(group: Group, rates: Rates) -> float:
+    """The latency of one collective over ``group``: the sheet's latency (one step) for each of the
+    n - 1 steps of a ring all-gather or reduce-scatter (the latency term of the alpha-beta model,
+    Thakur, Rabenseifner and Gropp 2005), an all-to-all's n - 1 exchanges, and an all-reduce taken
+    alike; a point-to-point send is one step."""
+    return (group.size - 1) * rates.latency
 
 
 @dataclass(frozen=True)
@@ -305,8 +316,8 @@ def gradient_sync(spec: ModelSpec, layout: Layout, pp_rank: int, rates: Rates) -
             r, a = 2 * ring_bytes(numel * GRAD_BYTES, group.size), 0.0
         reduce_bytes, gather_bytes = reduce_bytes + r, gather_bytes + a
         # one launch each (the buffers as one bucket), at the measured latency
-        reduce_s = reduce_s + r / rate + rates.latency
-        gather_s = gather_s + (a / rate + rates.latency if a else 0.0)
+        reduce_s = reduce_s + r / rate + launch_seconds(group, rates)
+        gather_s = gather_s + (a / rate + launch_seconds(group, rates) if a else 0.0)
     return GradientSync(reduce_bytes, gather_bytes, reduce_s, gather_s)
 
 
