@@ -15,13 +15,14 @@ the cores as the 4-rank layouts do):
   ``all_to_all_single`` of 1 KiB to 1 MiB per rank back to back, each a median over repeats,
   fitted together to t = latency + bytes through a rank / rate (a ring all-gather moves (n-1) x
   the local buffer through each rank, an all-to-all (n-1)/n of it:
-  ``megatron_bridge.plan.collectives``); then the same calls of 16 and 64 KiB each after a forward
-  of one decoder layer, as the actor issues them: what a call adds there, less its bytes at that
-  rate, per ring step (n - 1 over the probe's n ranks; ``step_time.launch_seconds`` counts a
-  group's n - 1), is the sheet's latency (it includes waiting for a peer held up by its compute or
-  by the scheduler, which back-to-back calls never do); where the ranks share the cores at least
-  two a core (4 x 1 on 2 cores) the sheet says ``ranks_share_cores`` (the planner then counts no
-  pipeline bubble: the waiting stage leaves its core to the busy one);
+  ``megatron_bridge.plan.collectives``); then every call of the 1-layer model at TP2 with sequence
+  parallel (the ranks in TP pairs), forward with the log-probs and backward at 4 rows of 128 tokens,
+  timed one by one: seconds per call as a decoder layer issues them between its own compute (it
+  includes waiting for a peer held up by its compute or by the scheduler, which back-to-back calls
+  never do) are the sheet's latency, per ring step (a pair's call is one; ``step_time.launch_seconds``
+  counts a group's n - 1); where the ranks share the cores at least two a core (4 x 1 on 2 cores)
+  the sheet says ``ranks_share_cores`` (the planner then counts no pipeline bubble: the waiting
+  stage leaves its core to the busy one);
 - one decoder layer of the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, megatron's
   GPTModel with the kernels the CPU actor builds: torch SDPA, grouped-GEMM experts, fp32), as the
   difference between a 2-layer and a 1-layer model, forward and backward separately, at 4 rows of
@@ -93,7 +94,6 @@ PROBE_BLOCK = "probe"  # the probe's generated block in --out (bench/common.py m
 MODEL = "tiny_qwen3_moe"
 SHEETS = REPO / "bench" / "calibration"
 LOCAL_BYTES = (1024, 16 * 1024, 128 * 1024, 1024 * 1024)  # per rank, fp32
-CONTEXT_BYTES = (16 * 1024, 64 * 1024)  # per rank, between compute: the actor's messages at the bench's batch
 LAYER_TOKENS = (16, 48, 128, 256)  # sequence lengths of the layer probe, 4 rows each
 LAYER_ROWS = 4
 COPY_BYTES = 32 * 2**20
@@ -139,45 +139,53 @@ def _collectives(repeats: int) -> list[dict]:
     return out
 
 
-def _between_compute(model, spec: ModelSpec, repeats: int) -> list[dict]:
-    """Seconds a collective adds to a loop of one decoder layer's work (the 1-layer model's forward
-    of 4 rows of 128 tokens, no grad) when one call follows each forward, as the actor's collectives
-    sit between its layers' compute: the loop's median per iteration less the forward's alone, the
-    two timed in turns. Back to back (``_collectives``) the ranks are already in step; between
-    compute each call also waits for the peer that its compute, the scheduler or the cores held up."""
-    import torch.distributed as dist
+def _rows(spec: ModelSpec, s: int) -> dict[str, torch.Tensor]:
+    """A probe micro-batch: 4 rows of ``s`` random tokens, the second half of each scored."""
+    scored = (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(s // 2, s)).flatten()  # rows of [b * s, V]
+    return {"ids": torch.randint(3, spec.vocab_size, (LAYER_ROWS, s)), "positions": torch.arange(s).expand(LAYER_ROWS, s),
+            "scored": scored, "targets": torch.randint(0, spec.vocab_size, scored.shape)}
 
-    n = dist.get_world_size()
-    ids = torch.randint(3, spec.vocab_size, (LAYER_ROWS, 128))
-    positions = torch.arange(128).expand(LAYER_ROWS, 128)
 
-    def forward():
-        with torch.no_grad():
-            model(input_ids=ids, position_ids=positions, attention_mask=None)
+def _log_prob_loss(model, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's forward with the actor's log-probs on its logits (``loss.vocab_parallel``, the
+    entropy as a metric); their mean as the loss."""
+    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
-    def seconds(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+    logits = model(input_ids=rows["ids"], position_ids=rows["positions"], attention_mask=None)
+    log_probs, _ = vocab_parallel_log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), rows["scored"],
+                                                        rows["targets"], 1.0, True, reuse_logits=True)
+    return log_probs.mean()
 
-    out = []
-    for local in CONTEXT_BYTES:
-        x = torch.randn(local // 4)
-        gathered, a2a = torch.empty(n * x.numel()), torch.empty_like(x)
-        for op, call, through in (("all_gather", lambda: dist.all_gather_into_tensor(gathered, x), local * (n - 1)),
-                                  ("all_to_all", lambda: dist.all_to_all_single(a2a, x), local * (n - 1) / n)):
-            dist.barrier()
-            # the loop with and without the call in turns, so that the machine's drift between them
-            # (another rank's process scheduled in, the clock) falls on both alike
-            alone, both = [], []
-            for rep in range(repeats + 2):  # two warm-ups
-                times = seconds(forward), seconds(lambda: (forward(), call()))
-                if rep >= 2:
-                    alone.append(times[0])
-                    both.append(times[1])
-            out.append({"op": op, "local_bytes": local, "through_bytes": through,
-                        "s": statistics.median(both) - statistics.median(alone)})
-    return out
+
+def _calls_in_a_tp_layer(spec: ModelSpec, repeats: int) -> dict:
+    """Seconds per gloo call as a decoder layer issues them between its own compute: the 1-layer
+    model at TP2 with sequence parallel (every pair of ranks a TP group; megatron's groups rebuilt
+    for it, so this runs last), forward with the log-probs and backward at 4 rows of 128 tokens,
+    every collective timed (bench/actor_throughput.py's ``time_collectives``); the median over the
+    passes of their seconds over their calls. Each call spans two ranks: one ring step."""
+    from megatron.core import parallel_state
+
+    from bench.actor_throughput import PhaseTimers, time_collectives
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.runtime.actor import initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
+
+    parallel_state.destroy_model_parallel()
+    train = TrainParallel(tp=2, sequence_parallel=True)
+    initialize_parallel(train)
+    model = build_model_chunks(replace(spec, num_layers=1), train, BuildOptions(params_dtype=torch.float32),
+                               "cpu")[1][0]
+    timers = PhaseTimers()
+    time_collectives(timers)
+    rows = _rows(spec, 128)
+    per_call = []
+    for rep in range(repeats + 2):  # two warm-ups
+        model.zero_grad(set_to_none=True)
+        timers.reset()
+        _log_prob_loss(model, rows).backward()
+        if rep >= 2:
+            per_call.append(sum(timers.comm.values()) / timers.calls)
+    return {"s": statistics.median(per_call), "calls": timers.calls}
 
 
 def _build_models(spec: ModelSpec) -> dict[int, Any]:
@@ -199,24 +207,20 @@ def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[
     alternately, each with the actor's log-probs on its logits (``loss.vocab_parallel``, entropy
     as a metric, the second half of each row scored, their mean as the loss): the difference is one
     decoder layer; the 1-layer model less it, the rest of the model (embedding, output layer,
-    log-probs)."""
-    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
+    log-probs). Every rank starts each pass together, as the actor's ranks run in step (their
+    collectives hold them together): ranks that share the cores share them for the whole pass."""
+    import torch.distributed as dist
 
     out = []
     for s in LAYER_TOKENS:
-        ids = torch.randint(3, spec.vocab_size, (LAYER_ROWS, s))
-        positions = torch.arange(s).expand(LAYER_ROWS, s)
-        scored = (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(s // 2, s)).flatten()  # rows of [b * s, V]
-        targets = torch.randint(0, spec.vocab_size, scored.shape)
+        rows = _rows(spec, s)
         times: dict[tuple[int, str], list[float]] = {(layers, k): [] for layers in models for k in ("fwd", "bwd")}
         for rep in range(repeats + 2):  # two warm-ups
             for layers, model in models.items():
                 model.zero_grad(set_to_none=True)
+                dist.barrier()
                 start = time.perf_counter()
-                logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
-                log_probs, _ = vocab_parallel_log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), scored,
-                                                                    targets, 1.0, True, reuse_logits=True)
-                loss = log_probs.mean()
+                loss = _log_prob_loss(model, rows)
                 middle = time.perf_counter()
                 loss.backward()
                 end = time.perf_counter()
@@ -262,7 +266,6 @@ def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
     from bench.actor_throughput import BatchShape, make_batch
     from loss.gspo import PAPER_SETTINGS
     from loss.megatron_hook import ActorLossConfig, log_prob_func, policy_loss_func
-    from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.runtime.actor import MegatronActor
     from megatron_bridge.runtime.model import BuildOptions
@@ -278,18 +281,11 @@ def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
         batch = make_batch(shape, spec.vocab_size)
         batch["old_log_probs"] = actor.forward_only(batch, LAYER_ROWS, partial(log_prob_func, 1.0, False))["log_probs"]
         one = {k: v[:LAYER_ROWS] for k, v in batch.items()}
-        model, s = actor.chunks[0], shape.prompt + shape.response
-        scored = (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(shape.prompt - 1, s - 1)).flatten()
-        targets = batch["input_ids"][:LAYER_ROWS, shape.prompt:].flatten()
-
-        def bare():
-            logits = model(input_ids=one["input_ids"], position_ids=torch.arange(s).expand(LAYER_ROWS, s),
-                           attention_mask=None)
-            log_probs, _ = vocab_parallel_log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), scored,
-                                                                targets, 1.0, True, reuse_logits=True)
-            log_probs.mean().backward()
-
-        calls = {"bare_s": bare, "step1_s": partial(actor.train_step, one, LAYER_ROWS, partial(policy_loss_func, loss_cfg)),
+        s = shape.prompt + shape.response
+        rows = {"ids": one["input_ids"], "positions": torch.arange(s).expand(LAYER_ROWS, s),
+                "scored": (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(shape.prompt - 1, s - 1)).flatten(),
+                "targets": one["input_ids"][:, shape.prompt:].flatten()}
+        calls = {"bare_s": lambda: _log_prob_loss(actor.chunks[0], rows).backward(), "step1_s": partial(actor.train_step, one, LAYER_ROWS, partial(policy_loss_func, loss_cfg)),
                  "step2_s": partial(actor.train_step, batch, LAYER_ROWS, partial(policy_loss_func, loss_cfg))}
         times: dict[str, list[float]] = {k: [] for k in calls}
         dist.barrier()
@@ -312,14 +308,12 @@ def probe_rank(rank: int, repeats: int) -> dict:
     collectives = _collectives(repeats) if dist.get_world_size() > 1 else []
     models = _build_models(spec)
     _parameter_gather(models[2])
-    # a difference of two medians of noisy loops: four times the repeats (three probes' figures then
-    # agree within ~10 %, against 2x apart at the plain repeats)
-    between = _between_compute(models[1], spec, 4 * repeats) if dist.get_world_size() > 1 else []
     dist.barrier()
     layers = _layer_times(spec, models, repeats)
     dist.barrier()
     steps = _train_steps(spec, repeats)
-    return {"collectives": collectives, "between": between, "layers": layers, "steps": steps,
+    in_layer = _calls_in_a_tp_layer(spec, repeats) if dist.get_world_size() % 2 == 0 else None
+    return {"collectives": collectives, "in_layer": in_layer, "layers": layers, "steps": steps,
             "copy_bytes_s": _copy_rate(repeats)}
 
 
@@ -386,11 +380,9 @@ def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
         out["collectives"] = fit_collectives(collectives)
         out["by_op"] = {op: fit_collectives([p for p in collectives if p["op"] == op])
                         for op in sorted({p["op"] for p in collectives})}
-        between = [p for r in ranks for p in r.get("between", [])]
-        if between:  # the launch cost between compute: what a call adds less its bytes at the fitted rate
-            rate = out["collectives"]["bytes_s"]
-            out["between_latency_s"] = statistics.median(p["s"] - p["through_bytes"] / rate for p in between)
-            out["between_points"] = between
+        in_layer = [r["in_layer"]["s"] for r in ranks if r.get("in_layer")]
+        if in_layer:
+            out["in_layer_call_s"] = statistics.median(in_layer)
     out["train_step"] = fit_train_step(out["step_points"], out["copy_bytes_s"], out.get("collectives"))
     return out
 
@@ -408,17 +400,21 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
     def figure(value: float, source: str) -> dict:
         return {"value": float(f"{value:.4g}"), "kind": "measured", "by": "probe", "source": source}
 
-    # The latency between compute: a call's wait for a peer still computing, or held up by the
-    # scheduler, is time the step loses. Per ring step: the probe's calls span all the ranks (n - 1
-    # steps), the layouts' groups fewer (step_time.launch_seconds). Ranks that share the cores, at
-    # least two a core, leave their core to another rank while a pipeline stage waits: no bubble.
+    # A call as a decoder layer issues it, between its own compute: it includes waiting for a peer
+    # held up by its compute or by the scheduler, which back-to-back calls never do. Per ring step
+    # (step_time.launch_seconds counts a group's n - 1): the layer's TP pairs are one. Ranks that
+    # share the cores, at least two a core, leave their core to another rank while a pipeline stage
+    # waits: no bubble.
     shared = ranks * threads >= 2 * cpu_cores()
-    steps = links["ranks"] - 1
-    latency_s = links.get("between_latency_s", col["latency_s"]) / steps
-    latency_words = ("what a gloo call over all the probe's ranks adds between two forwards of a decoder layer, less "
-                     f"its bytes at the fitted rate, per ring step ({steps} over {links['ranks']} ranks; back to back "
-                     f"the fit's intercept is {col['latency_s'] * 1e6:.0f} us a call)"
-                     f"{'' if own else ' (2-rank probe)'}")
+    if "in_layer_call_s" in links:
+        latency_s = links["in_layer_call_s"]
+        latency_words = (f"seconds per gloo call in a TP2+SP decoder layer's forward and backward, every call timed "
+                         f"({links['ranks']} ranks, TP pairs: one ring step a call; back to back the fit's "
+                         f"intercept is {col['latency_s'] * 1e6:.0f} us a call over all of them)"
+                         f"{'' if own else ' (2-rank probe)'}")
+    else:  # an odd number of ranks has no TP pairs: the back-to-back figure, per ring step
+        latency_s = col["latency_s"] / (links["ranks"] - 1)
+        latency_words = f"the back-to-back fit's intercept over {links['ranks']} ranks, per ring step"
 
     data = {
         "device": "cpu",
@@ -504,21 +500,21 @@ def describe_fit(fit: dict) -> str:
     if "collectives" in fit:
         c = fit["collectives"]
         words += (f"; gloo {c['latency_s'] * 1e6:.0f} us + bytes / {c['bytes_s'] / GB:.2f} GB/s back to back, "
-                  f"{fit.get('between_latency_s', float('nan')) * 1e6:.0f} us a call between compute")
+                  f"{fit.get('in_layer_call_s', float('nan')) * 1e6:.0f} us a call in a TP2 layer")
     return words
 
 
 def probe_table(fits: dict) -> str:
     lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
              "rest of the model fwd (ms) | rest bwd (ms) | train step per micro-batch (ms) | train step fixed (ms) | "
-             "gloo latency between compute "
+             "gloo call in a TP2 layer "
              "(us) | gloo latency back to back (us) | gloo rate (GB/s) | all-gather fit | all-to-all fit | copy (GB/s) |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
     for (ranks, threads), fit in sorted(fits.items()):
         layer = fit["layer"]
         if "collectives" in fit:
             c, by_op = fit["collectives"], fit["by_op"]
-            cells = [f"{fit.get('between_latency_s', float('nan')) * 1e6:,.0f}", f"{c['latency_s'] * 1e6:,.0f}",
+            cells = [f"{fit.get('in_layer_call_s', float('nan')) * 1e6:,.0f}", f"{c['latency_s'] * 1e6:,.0f}",
                      f"{c['bytes_s'] / GB:.2f}"] + [
                 f"{by_op[op]['latency_s'] * 1e6:,.0f} us + bytes / {by_op[op]['bytes_s'] / GB:.2f} GB/s"
                 if op in by_op else "—" for op in ("all_gather", "all_to_all")]

@@ -427,9 +427,17 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward, r.micro_batch_forward,
             r.micro_batch_backward, r.optimizer_step) == pytest.approx((4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 2.5e-3,
                                                                          7e-3))
-    fit.update(ranks=4)  # a 4-rank probe's calls span three ring steps
+    fit.update(ranks=4)  # without the TP pairs' calls, the 4-rank fit's intercept spans three ring steps
     path.write_text(probe.sheet(4, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
     assert Rates.of(load_hardware(str(path)), Assumptions()).latency == pytest.approx(800e-6 / 3, rel=1e-3)
+    # with them, a call in the TP2 layer is the latency: a pair's call is one ring step
+    ranks = [{"collectives": collectives, "layers": layers, "steps": steps, "copy_bytes_s": 5e9,
+              "in_layer": {"s": s, "calls": 33}} for s in (0.9e-3, 1.1e-3, 1.2e-3)]
+    fit = probe.summarise_probe(ranks)
+    assert fit["in_layer_call_s"] == pytest.approx(1.1e-3)
+    fit.update(ranks=4, when="now")
+    path.write_text(probe.sheet(4, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
+    assert Rates.of(load_hardware(str(path)), Assumptions()).latency == pytest.approx(1.1e-3)
 
 
 def test_the_comparison_holds_the_model_only_to_pairs_the_rounds_tell_apart():
