@@ -25,11 +25,12 @@ the cores as the 4-rank layouts do):
   stage leaves its core to the busy one);
 - one decoder layer of the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, megatron's
   GPTModel with the kernels the CPU actor builds: torch SDPA, grouped-GEMM experts, fp32), as the
-  difference between a 2-layer and a 1-layer model, forward and backward separately, at 4 rows of
+  difference between a 3-layer and a 2-layer model (a layer costs more the deeper the model, and the
+  tiny model has 4), forward and backward separately, at 4 rows of
   16, 48, 128 and 256 tokens, fitted together to t_fwd = fixed_fwd + FLOPs / rate and
   t_bwd = fixed_bwd + 2 FLOPs / rate (``megatron_bridge.plan.flops``): the rate the layer's work
   reaches at these shapes, and its fixed cost per micro-batch (Python, kernel launches); and the
-  rest of the model (the 1-layer model less that layer: embedding, output layer and the actor's
+  rest of the model (the 2-layer model less two such layers: embedding, output layer and the actor's
   chunked log-probs, ``loss.vocab_parallel``, on half of each row) less the output layer's FLOPs
   at that rate, a fixed cost per micro-batch (the median over the lengths);
 - the actor's own train step (``MegatronActor.train_step``, the GSPO loss the bench trains with) on
@@ -96,6 +97,10 @@ SHEETS = REPO / "bench" / "calibration"
 LOCAL_BYTES = (1024, 16 * 1024, 128 * 1024, 1024 * 1024)  # per rank, fp32
 LAYER_TOKENS = (16, 48, 128, 256)  # sequence lengths of the layer probe, 4 rows each
 LAYER_ROWS = 4
+# the decoder layer is timed as the third of a model's (3 layers less 2): a layer costs more the deeper
+# the model (7.7-8.1, 8.3-8.4, 8.6-8.7 ms from the second layer to the fourth at 4 x 128 tokens on
+# one rank: the working set outgrows the caches), and the tiny model has 4
+LAYER_DEPTHS = (2, 3)
 COPY_BYTES = 32 * 2**20
 
 
@@ -189,8 +194,8 @@ def _calls_in_a_tp_layer(spec: ModelSpec, repeats: int) -> dict:
 
 
 def _build_models(spec: ModelSpec) -> dict[int, Any]:
-    """Megatron GPTModels of the tiny model's shape with 1 and 2 decoder layers, as the CPU actor
-    builds them (parallel state up first, one rank a replica)."""
+    """Megatron GPTModels of the tiny model's shape with ``LAYER_DEPTHS`` decoder layers, as the CPU
+    actor builds them (parallel state up first, one rank a replica)."""
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.runtime.actor import initialize_parallel
     from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
@@ -199,15 +204,15 @@ def _build_models(spec: ModelSpec) -> dict[int, Any]:
     initialize_parallel(train)
     return {layers: build_model_chunks(replace(spec, num_layers=layers), train,
                                        BuildOptions(params_dtype=torch.float32), "cpu")[1][0]
-            for layers in (1, 2)}
+            for layers in LAYER_DEPTHS}
 
 
 def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[dict]:
-    """Forward and backward seconds of a 1-layer and a 2-layer model per sequence length, measured
+    """Forward and backward seconds of the ``LAYER_DEPTHS`` models per sequence length, measured
     alternately, each with the actor's log-probs on its logits (``loss.vocab_parallel``, entropy
     as a metric, the second half of each row scored, their mean as the loss): the difference is one
-    decoder layer; the 1-layer model less it, the rest of the model (embedding, output layer,
-    log-probs). Every rank starts each pass together, as the actor's ranks run in step (their
+    decoder layer; the shallower model less its layers, the rest of the model (embedding, output
+    layer, log-probs). Every rank starts each pass together, as the actor's ranks run in step (their
     collectives hold them together): ranks that share the cores share them for the whole pass."""
     import torch.distributed as dist
 
@@ -228,12 +233,14 @@ def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[
                     times[layers, "fwd"].append(middle - start)
                     times[layers, "bwd"].append(end - middle)
         med = {k: statistics.median(v) for k, v in times.items()}
-        layer = {k: med[2, k] - med[1, k] for k in ("fwd", "bwd")}
+        low, high = LAYER_DEPTHS
+        layer = {k: med[high, k] - med[low, k] for k in ("fwd", "bwd")}
         out.append({"tokens": LAYER_ROWS * s, "seq_len": s,
                     "flops": LAYER_ROWS * flops.layer_forward_flops(spec, s),
                     "logits_flops": flops.logits_flops(spec, LAYER_ROWS * s),
                     "fwd_s": layer["fwd"], "bwd_s": layer["bwd"],
-                    "rest_fwd_s": med[1, "fwd"] - layer["fwd"], "rest_bwd_s": med[1, "bwd"] - layer["bwd"]})
+                    "rest_fwd_s": med[low, "fwd"] - low * layer["fwd"],
+                    "rest_bwd_s": med[low, "bwd"] - low * layer["bwd"]})
     return out
 
 
@@ -285,11 +292,14 @@ def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
         rows = {"ids": one["input_ids"], "positions": torch.arange(s).expand(LAYER_ROWS, s),
                 "scored": (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(shape.prompt - 1, s - 1)).flatten(),
                 "targets": one["input_ids"][:, shape.prompt:].flatten()}
-        calls = {"bare_s": lambda: _log_prob_loss(actor.chunks[0], rows).backward(), "step1_s": partial(actor.train_step, one, LAYER_ROWS, partial(policy_loss_func, loss_cfg)),
-                 "step2_s": partial(actor.train_step, batch, LAYER_ROWS, partial(policy_loss_func, loss_cfg))}
+        loss = partial(policy_loss_func, loss_cfg)
+        calls = {"bare_s": lambda: _log_prob_loss(actor.chunks[0], rows).backward(),
+                 "step1_s": partial(actor.train_step, one, LAYER_ROWS, loss),
+                 "step2_s": partial(actor.train_step, batch, LAYER_ROWS, loss)}
         times: dict[str, list[float]] = {k: [] for k in calls}
         dist.barrier()
-        for rep in range(repeats + 2):  # two warm-ups
+        # a difference of three timings tens of milliseconds long: four times the repeats
+        for rep in range(4 * repeats + 2):  # two warm-ups
             for key, call in calls.items():
                 start = time.perf_counter()
                 call()
@@ -307,7 +317,7 @@ def probe_rank(rank: int, repeats: int) -> dict:
     spec = load_model_spec(MODEL)
     collectives = _collectives(repeats) if dist.get_world_size() > 1 else []
     models = _build_models(spec)
-    _parameter_gather(models[2])
+    _parameter_gather(models[max(LAYER_DEPTHS)])
     dist.barrier()
     layers = _layer_times(spec, models, repeats)
     dist.barrier()
@@ -420,7 +430,8 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
         "device": "cpu",
         "bf16_tflops": figure(layer["flops_s"] / 1e12,
                               f"{where}; fp32 (the CPU actor's dtype, not bf16): the tiny Qwen3-MoE's decoder layer "
-                              f"(2-layer minus 1-layer megatron model) forward and backward at {LAYER_ROWS} rows of "
+                              f"({LAYER_DEPTHS[1]}-layer minus {LAYER_DEPTHS[0]}-layer megatron model) forward and "
+                              f"backward at {LAYER_ROWS} rows of "
                               f"{', '.join(map(str, LAYER_TOKENS))} tokens, FLOPs of megatron_bridge.plan.flops over "
                               "seconds beyond the fixed cost (overheads); an achieved rate: the MFU does not apply"),
         "hbm_gb_s": figure(fit["copy_bytes_s"] / GB, f"{where}; Tensor.copy_ of 32 MiB fp32, bytes read + written"),
@@ -437,8 +448,9 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
             "ranks_share_cores": shared,
             "by": "probe",
             "source": f"{where}; latency: {latency_words}; layer: the "
-                      "fixed cost per micro-batch of the decoder layer fit; micro_batch: the 1-layer model with "
-                      "the log-probs less its layer, less the output layer's FLOPs at the layer's rate (median "
+                      "fixed cost per micro-batch of the decoder layer fit; micro_batch: the "
+                      f"{LAYER_DEPTHS[0]}-layer model with the log-probs less its layers, less the output layer's "
+                      "FLOPs at the layer's rate (median "
                       "over the lengths), the backward's plus what the actor's train step adds per micro-batch "
                       "(megatron's schedule, the policy loss: a 2-micro-batch step less a 1-micro-batch one less "
                       "a bare forward and backward); optimizer_step: what the actor's train step adds per step "
