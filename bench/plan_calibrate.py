@@ -288,10 +288,7 @@ def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
         batch = make_batch(shape, spec.vocab_size)
         batch["old_log_probs"] = actor.forward_only(batch, LAYER_ROWS, partial(log_prob_func, 1.0, False))["log_probs"]
         one = {k: v[:LAYER_ROWS] for k, v in batch.items()}
-        s = shape.prompt + shape.response
-        rows = {"ids": one["input_ids"], "positions": torch.arange(s).expand(LAYER_ROWS, s),
-                "scored": (torch.arange(LAYER_ROWS)[:, None] * s + torch.arange(shape.prompt - 1, s - 1)).flatten(),
-                "targets": one["input_ids"][:, shape.prompt:].flatten()}
+        rows = _rows(spec, shape.prompt + shape.response)  # the bare pass: the same shape, half of each row scored
         loss = partial(policy_loss_func, loss_cfg)
         calls = {"bare_s": lambda: _log_prob_loss(actor.chunks[0], rows).backward(),
                  "step1_s": partial(actor.train_step, one, LAYER_ROWS, loss),

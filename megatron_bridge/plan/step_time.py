@@ -219,8 +219,8 @@ def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, 
         + edge_launches(layout, w, first_stage, last_stage, training) * launch_seconds(g.tp, rates),
         expert_all_to_all=layers * ((1 + recompute) * expert_forward + expert_backward if training else expert_forward),
         context_parallel=layers * cp_passes * (cp_bytes_per_layer(spec, layout, tokens) / link_rate(g.cp, rates, dpn)
-                                               + launches["context_parallel"] * launch_seconds(Group(2, 1), rates)),
-        pipeline_p2p=sends * (boundary / link_rate(g.pp, rates, dpn) + launch_seconds(Group(2, 1), rates)),
+                                               + launches["context_parallel"] * rates.latency),
+        pipeline_p2p=sends * (boundary / link_rate(g.pp, rates, dpn) + rates.latency),
     )
 
 
