@@ -15,9 +15,9 @@ the cores as the 4-rank layouts do):
   ``all_to_all_single`` of 1 KiB to 1 MiB per rank back to back, each a median over repeats,
   fitted together to t = latency + bytes through a rank / rate (a ring all-gather moves (n-1) x
   the local buffer through each rank, an all-to-all (n-1)/n of it:
-  ``megatron_bridge.plan.collectives``); then every call of the 1-layer model at TP2 with sequence
-  parallel (the ranks in TP pairs), forward with the log-probs and backward at 4 rows of 128 tokens,
-  timed one by one: seconds per call as a decoder layer issues them between its own compute (it
+  ``megatron_bridge.plan.collectives``); then every call of the 2- and 3-layer models at TP2 with
+  sequence parallel (the ranks in TP pairs), forward with the log-probs and backward at 4 rows of 128
+  tokens, timed one by one: seconds per call as a decoder layer issues them between its own compute (it
   includes waiting for a peer held up by its compute or by the scheduler, which back-to-back calls
   never do) are the sheet's latency, per ring step (a pair's call is one; ``step_time.launch_seconds``
   counts a group's n - 1); where the ranks share the cores at least two a core (4 x 1 on 2 cores)
@@ -26,13 +26,17 @@ the cores as the 4-rank layouts do):
 - one decoder layer of the tiny Qwen3-MoE (``configs/model/tiny_qwen3_moe.yaml``, megatron's
   GPTModel with the kernels the CPU actor builds: torch SDPA, grouped-GEMM experts, fp32), as the
   difference between a 3-layer and a 2-layer model (a layer costs more the deeper the model, and the
-  tiny model has 4), forward and backward separately, at 4 rows of
-  16, 48, 128 and 256 tokens, fitted together to t_fwd = fixed_fwd + FLOPs / rate and
+  tiny model has 4), forward and backward separately (means of three times the repeats), at 4 rows
+  of 16, 48, 128 and 256 tokens, fitted together to t_fwd = fixed_fwd + FLOPs / rate and
   t_bwd = fixed_bwd + 2 FLOPs / rate (``megatron_bridge.plan.flops``): the rate the layer's work
   reaches at these shapes, and its fixed cost per micro-batch (Python, kernel launches); and the
   rest of the model (the 2-layer model less two such layers: embedding, output layer and the actor's
   chunked log-probs, ``loss.vocab_parallel``, on half of each row) less the output layer's FLOPs
   at that rate, a fixed cost per micro-batch (the median over the lengths);
+- where the ranks pair up, the same layer at TP2 with sequence parallel and at EP2 (the CPU
+  actor's allgather MoE dispatcher), as the 3-layer less the 2-layer model at 4 rows of 128 tokens,
+  the seconds inside collectives left out: what it takes beyond its FLOPs over TP at the rate and
+  the layer's fixed cost is what a layer adds under TP (under EP), a fixed cost per micro-batch;
 - the actor's own train step (``MegatronActor.train_step``, the GSPO loss the bench trains with) on
   the 1- and 2-layer models, at one and two micro-batches of 4 rows of 128 tokens, and a bare
   forward and backward of one such micro-batch, in turns: what the step adds per micro-batch
@@ -101,6 +105,11 @@ LAYER_ROWS = 4
 # the model (7.7-8.1, 8.3-8.4, 8.6-8.7 ms from the second layer to the fourth at 4 x 128 tokens on
 # one rank: the working set outgrows the caches), and the tiny model has 4
 LAYER_DEPTHS = (2, 3)
+# a layer is a difference of two models' passes, and a pass varies by 10-20 % from one to the next on
+# a small shared machine (the 3-layer model at 4 x 128 tokens on one rank: sd 7-18 ms of 75-105 ms):
+# LAYER_REPEATS times the repeats, and their mean (a train step sums its passes; a median flips
+# between the fast and the slow passes of a rank whose OpenMP workers sleep, bench/cpu_threads.py)
+LAYER_REPEATS = 3
 COPY_BYTES = 32 * 2**20
 
 
@@ -162,12 +171,22 @@ def _log_prob_loss(model, rows: dict[str, torch.Tensor]) -> torch.Tensor:
     return log_probs.mean()
 
 
-def _calls_in_a_tp_layer(spec: ModelSpec, repeats: int) -> dict:
-    """Seconds per gloo call as a decoder layer issues them between its own compute: the 1-layer
-    model at TP2 with sequence parallel (every pair of ranks a TP group; megatron's groups rebuilt
-    for it, so this runs last), forward with the log-probs and backward at 4 rows of 128 tokens,
-    every collective timed (bench/actor_throughput.py's ``time_collectives``); the median over the
-    passes of their seconds over their calls. Each call spans two ranks: one ring step."""
+# The parallelism of the CPU layouts whose decoder layer the probe times on pairs of ranks: a layer
+# under TP2 with sequence parallel (tp2sp, tp2ep2) and under EP2 (the allgather dispatcher: ep2,
+# tp2ep2, pp2ep2) costs more than its share of FLOPs at the rate (the SP gathers' and the
+# dispatcher's own Python and permutations; smaller GEMMs); the sheet keeps that beyond as a fixed cost
+PARALLEL_LAYERS = {"tp": {"tp": 2, "sequence_parallel": True}, "ep": {"ep": 2}}
+PARALLEL_LAYER_TOKENS = 128
+
+
+def _parallel_layers(spec: ModelSpec, repeats: int) -> dict[str, dict]:
+    """One decoder layer under each of ``PARALLEL_LAYERS`` (megatron's groups rebuilt for each, so
+    this runs last): the ``LAYER_DEPTHS`` models at 4 rows of 128 tokens, forward with the log-probs
+    and backward, alternately, every collective timed (bench/actor_throughput.py's
+    ``time_collectives``); the layer is the deeper model less the shallower, of the seconds outside
+    the collectives; and the seconds per call over every pass (at TP2 each call spans a pair of
+    ranks: one ring step)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from bench.actor_throughput import PhaseTimers, time_collectives
@@ -175,22 +194,39 @@ def _calls_in_a_tp_layer(spec: ModelSpec, repeats: int) -> dict:
     from megatron_bridge.runtime.actor import initialize_parallel
     from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 
-    parallel_state.destroy_model_parallel()
-    train = TrainParallel(tp=2, sequence_parallel=True)
-    initialize_parallel(train)
-    model = build_model_chunks(replace(spec, num_layers=1), train, BuildOptions(params_dtype=torch.float32),
-                               "cpu")[1][0]
     timers = PhaseTimers()
     time_collectives(timers)
-    rows = _rows(spec, 128)
-    per_call = []
-    for rep in range(repeats + 2):  # two warm-ups
-        model.zero_grad(set_to_none=True)
-        timers.reset()
-        _log_prob_loss(model, rows).backward()
-        if rep >= 2:
-            per_call.append(sum(timers.comm.values()) / timers.calls)
-    return {"s": statistics.median(per_call), "calls": timers.calls}
+    rows = _rows(spec, PARALLEL_LAYER_TOKENS)
+    out = {}
+    for name, parallel in PARALLEL_LAYERS.items():
+        parallel_state.destroy_model_parallel()
+        train = TrainParallel(**parallel)
+        initialize_parallel(train)
+        models = {layers: build_model_chunks(replace(spec, num_layers=layers), train,
+                                             BuildOptions(params_dtype=torch.float32), "cpu")[1][0]
+                  for layers in LAYER_DEPTHS}
+        times: dict[tuple[int, str], list[float]] = {(layers, k): [] for layers in models for k in ("fwd", "bwd")}
+        per_call = []
+        for rep in range(LAYER_REPEATS * repeats + 2):  # two warm-ups
+            for layers, model in models.items():
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                timers.reset()
+                start = time.perf_counter()
+                loss = _log_prob_loss(model, rows)
+                middle, forward_comm = time.perf_counter(), sum(timers.comm.values())
+                loss.backward()
+                end, comm = time.perf_counter(), sum(timers.comm.values())
+                if rep >= 2:
+                    times[layers, "fwd"].append(middle - start - forward_comm)
+                    times[layers, "bwd"].append(end - middle - (comm - forward_comm))
+                    per_call.append(comm / timers.calls)
+        mean = {k: statistics.mean(v) for k, v in times.items()}
+        low, high = LAYER_DEPTHS
+        out[name] = {"parallel": parallel, "flops": LAYER_ROWS * flops.layer_forward_flops(spec, PARALLEL_LAYER_TOKENS),
+                     "fwd_s": mean[high, "fwd"] - mean[low, "fwd"], "bwd_s": mean[high, "bwd"] - mean[low, "bwd"],
+                     "call_s": statistics.median(per_call)}
+    return out
 
 
 def _build_models(spec: ModelSpec) -> dict[int, Any]:
@@ -220,7 +256,7 @@ def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[
     for s in LAYER_TOKENS:
         rows = _rows(spec, s)
         times: dict[tuple[int, str], list[float]] = {(layers, k): [] for layers in models for k in ("fwd", "bwd")}
-        for rep in range(repeats + 2):  # two warm-ups
+        for rep in range(LAYER_REPEATS * repeats + 2):  # two warm-ups
             for layers, model in models.items():
                 model.zero_grad(set_to_none=True)
                 dist.barrier()
@@ -232,15 +268,15 @@ def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[
                 if rep >= 2:
                     times[layers, "fwd"].append(middle - start)
                     times[layers, "bwd"].append(end - middle)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        mean = {k: statistics.mean(v) for k, v in times.items()}
         low, high = LAYER_DEPTHS
-        layer = {k: med[high, k] - med[low, k] for k in ("fwd", "bwd")}
+        layer = {k: mean[high, k] - mean[low, k] for k in ("fwd", "bwd")}
         out.append({"tokens": LAYER_ROWS * s, "seq_len": s,
                     "flops": LAYER_ROWS * flops.layer_forward_flops(spec, s),
                     "logits_flops": flops.logits_flops(spec, LAYER_ROWS * s),
                     "fwd_s": layer["fwd"], "bwd_s": layer["bwd"],
-                    "rest_fwd_s": med[low, "fwd"] - low * layer["fwd"],
-                    "rest_bwd_s": med[low, "bwd"] - low * layer["bwd"]})
+                    "rest_fwd_s": mean[low, "fwd"] - low * layer["fwd"],
+                    "rest_bwd_s": mean[low, "bwd"] - low * layer["bwd"]})
     return out
 
 
@@ -319,8 +355,8 @@ def probe_rank(rank: int, repeats: int) -> dict:
     layers = _layer_times(spec, models, repeats)
     dist.barrier()
     steps = _train_steps(spec, repeats)
-    in_layer = _calls_in_a_tp_layer(spec, repeats) if dist.get_world_size() % 2 == 0 else None
-    return {"collectives": collectives, "in_layer": in_layer, "layers": layers, "steps": steps,
+    parallel = _parallel_layers(spec, repeats) if dist.get_world_size() % 2 == 0 else {}
+    return {"collectives": collectives, "parallel": parallel, "layers": layers, "steps": steps,
             "copy_bytes_s": _copy_rate(repeats)}
 
 
@@ -352,6 +388,16 @@ def fit_layer(points: list[dict]) -> dict[str, float]:
     rest_bwd = statistics.median(p["rest_bwd_s"] - 2 * p["logits_flops"] / rate for p in points)
     return {"fixed_fwd_s": fixed_fwd, "fixed_bwd_s": fixed_bwd, "flops_s": rate, "rest_fwd_s": rest_fwd,
             "rest_bwd_s": rest_bwd}
+
+
+def fit_parallel_layer(points: list[dict], layer: dict[str, float]) -> dict[str, float]:
+    """Seconds a decoder layer under one of ``PARALLEL_LAYERS`` takes beyond what the planner counts
+    for it at the layer fit (``step_time.micro_batch``: its FLOPs over TP at the rate, and the
+    layer's fixed cost as the sheet writes it, at least 0), forward and backward; medians over the
+    ranks."""
+    seconds = points[0]["flops"] / points[0]["parallel"].get("tp", 1) / layer["flops_s"]
+    return {"fwd_s": statistics.median(p["fwd_s"] for p in points) - max(0.0, layer["fixed_fwd_s"]) - seconds,
+            "bwd_s": statistics.median(p["bwd_s"] for p in points) - max(0.0, layer["fixed_bwd_s"]) - 2 * seconds}
 
 
 def fit_train_step(points: list[dict], copy_bytes_s: float, collectives: dict[str, float] | None) -> dict[str, float]:
@@ -387,9 +433,11 @@ def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
         out["collectives"] = fit_collectives(collectives)
         out["by_op"] = {op: fit_collectives([p for p in collectives if p["op"] == op])
                         for op in sorted({p["op"] for p in collectives})}
-        in_layer = [r["in_layer"]["s"] for r in ranks if r.get("in_layer")]
-        if in_layer:
-            out["in_layer_call_s"] = statistics.median(in_layer)
+        parallel = [r["parallel"] for r in ranks if r.get("parallel")]
+        if parallel:
+            out["in_layer_call_s"] = statistics.median(r["tp"]["call_s"] for r in parallel)
+            out["parallel_layers"] = {name: fit_parallel_layer([r[name] for r in parallel], out["layer"])
+                                      for name in PARALLEL_LAYERS}
     out["train_step"] = fit_train_step(out["step_points"], out["copy_bytes_s"], out.get("collectives"))
     return out
 
@@ -415,7 +463,8 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
     shared = ranks * threads >= 2 * cpu_cores()
     if "in_layer_call_s" in links:
         latency_s = links["in_layer_call_s"]
-        latency_words = (f"seconds per gloo call in a TP2+SP decoder layer's forward and backward, every call timed "
+        latency_words = (f"seconds per gloo call in the forward and backward of {LAYER_DEPTHS[0]}- and "
+                         f"{LAYER_DEPTHS[1]}-layer models at TP2 with sequence parallel, every call timed "
                          f"({links['ranks']} ranks, TP pairs: one ring step a call; back to back the fit's "
                          f"intercept is {col['latency_s'] * 1e6:.0f} us a call over all of them)"
                          f"{'' if own else ' (2-rank probe)'}")
@@ -441,11 +490,19 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
             "micro_batch_forward_us": float(f"{max(0.0, layer['rest_fwd_s']) * 1e6:.4g}"),
             # a training micro-batch's: the rest of the model's backward and the actor's schedule and loss
             "micro_batch_backward_us": float(f"{max(0.0, layer['rest_bwd_s'] + step['micro_batch_s']) * 1e6:.4g}"),
+            **{f"{name}_layer_{direction}_us": float(f"{max(0.0, extra[key]) * 1e6:.4g}")
+               for name, extra in fit.get("parallel_layers", {}).items()
+               for direction, key in (("forward", "fwd_s"), ("backward", "bwd_s"))},
             "optimizer_step_us": float(f"{max(0.0, step['step_s']) * 1e6:.4g}"),
             "ranks_share_cores": shared,
             "by": "probe",
             "source": f"{where}; latency: {latency_words}; layer: the "
-                      "fixed cost per micro-batch of the decoder layer fit; micro_batch: the "
+                      "fixed cost per micro-batch of the decoder layer fit; tp_layer, ep_layer (where the ranks "
+                      "pair up): "
+                      f"a layer at TP2 with sequence parallel, at EP2, ({LAYER_DEPTHS[1]}-layer less "
+                      f"{LAYER_DEPTHS[0]}-layer model at {LAYER_ROWS} rows of {PARALLEL_LAYER_TOKENS} tokens, "
+                      "its collectives' seconds left out) less its FLOPs over TP at the rate and the layer's "
+                      "fixed cost; micro_batch: the "
                       f"{LAYER_DEPTHS[0]}-layer model with the log-probs less its layers, less the output layer's "
                       "FLOPs at the layer's rate (median "
                       "over the lengths), the backward's plus what the actor's train step adds per micro-batch "
@@ -490,8 +547,9 @@ def probe_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         *machine_facts("per configuration, RANKS x THREADS: that many gloo ranks at once, each with "
                        "torch.set_num_threads(THREADS)", load_before),
         f"- written: {', '.join(f'`{_shown(args.out_dir / sheet_name(*k))}.yaml`' for k in fits)} ({when})",
-        f"- medians of {args.repeats} repeats after 2 warm-ups per point, each rank's own; the fits over every "
-        "rank's points",
+        f"- medians of {args.repeats} repeats after 2 warm-ups per point (the layers: means of "
+        f"{LAYER_REPEATS * args.repeats}; the train steps: medians of {4 * args.repeats}), each rank's own; the fits "
+        "over every rank's points",
         "",
         probe_table(fits),
     ])
@@ -510,25 +568,30 @@ def describe_fit(fit: dict) -> str:
         c = fit["collectives"]
         words += (f"; gloo {c['latency_s'] * 1e6:.0f} us + bytes / {c['bytes_s'] / GB:.2f} GB/s back to back, "
                   f"{fit.get('in_layer_call_s', float('nan')) * 1e6:.0f} us a call in a TP2 layer")
+    for name, extra in fit.get("parallel_layers", {}).items():
+        words += f"; a layer under {name.upper()}2 adds {extra['fwd_s'] * 1e3:.2f} / {extra['bwd_s'] * 1e3:.2f} ms"
     return words
 
 
 def probe_table(fits: dict) -> str:
     lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
              "rest of the model fwd (ms) | rest bwd (ms) | train step per micro-batch (ms) | train step fixed (ms) | "
-             "gloo call in a TP2 layer "
+             "a layer adds at TP2 fwd / bwd (ms) | at EP2 (ms) | gloo call in a TP2 layer "
              "(us) | gloo latency back to back (us) | gloo rate (GB/s) | all-gather fit | all-to-all fit | copy (GB/s) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
     for (ranks, threads), fit in sorted(fits.items()):
         layer = fit["layer"]
+        extras = fit.get("parallel_layers", {})
+        cells = [f"{extras[name]['fwd_s'] * 1e3:.2f} / {extras[name]['bwd_s'] * 1e3:.2f}" if name in extras else "—"
+                 for name in PARALLEL_LAYERS]
         if "collectives" in fit:
             c, by_op = fit["collectives"], fit["by_op"]
-            cells = [f"{fit.get('in_layer_call_s', float('nan')) * 1e6:,.0f}", f"{c['latency_s'] * 1e6:,.0f}",
+            cells += [f"{fit.get('in_layer_call_s', float('nan')) * 1e6:,.0f}", f"{c['latency_s'] * 1e6:,.0f}",
                      f"{c['bytes_s'] / GB:.2f}"] + [
                 f"{by_op[op]['latency_s'] * 1e6:,.0f} us + bytes / {by_op[op]['bytes_s'] / GB:.2f} GB/s"
                 if op in by_op else "—" for op in ("all_gather", "all_to_all")]
         else:
-            cells = ["—"] * 5
+            cells += ["—"] * 5
         lines.append(f"| {ranks} x {threads} | {layer['flops_s'] / 1e9:.2f} | {layer['fixed_fwd_s'] * 1e3:.2f} | "
                      f"{layer['fixed_bwd_s'] * 1e3:.2f} | {layer['rest_fwd_s'] * 1e3:.2f} | "
                      f"{layer['rest_bwd_s'] * 1e3:.2f} | {fit['train_step']['micro_batch_s'] * 1e3:.2f} | "

@@ -241,6 +241,28 @@ def test_fixed_costs_per_layer_and_per_collective_launch():
         assert sync.gather_seconds == pytest.approx(sync.gather_bytes / 1e11 + (ranks - 1) * 1e-3)
 
 
+def test_a_layer_under_tp_and_ep_adds_the_sheets_fixed_costs():
+    # the sheet: a layer adds 1 ms forward and 4 ms backward under TP > 1, 0.5 and 2 ms under EP > 1
+    extra = replace(FIXED, tp_layer_forward=1e-3, tp_layer_backward=4e-3, ep_layer_forward=0.5e-3,
+                    ep_layer_backward=2e-3)
+    for train, fwd, bwd in ((TrainParallel(), 0.0, 0.0), (TrainParallel(tp=2, sequence_parallel=True), 1e-3, 4e-3),
+                            (TrainParallel(ep=2, etp=1), 0.5e-3, 2e-3),
+                            (TrainParallel(tp=2, ep=2, etp=1, sequence_parallel=True), 1.5e-3, 6e-3),
+                            (TrainParallel(tp=4, sequence_parallel=True), 1e-3, 4e-3)):  # any TP > 1 alike
+        lay = Layout("x", train=train, cluster=CPU4)
+        assert step_time.layer_fixed_seconds(lay, extra) == pytest.approx((2e-3 + fwd, 3e-3 + bwd))
+        for training, added in ((True, fwd + bwd), (False, fwd)):
+            base = step_time.micro_batch(TINY, lay, 4, False, SHORT, FIXED, training)
+            more = step_time.micro_batch(TINY, lay, 4, False, SHORT, extra, training)
+            assert more.compute - base.compute == pytest.approx(4 * added)  # every layer, every rank
+            assert more.tensor_parallel == base.tensor_parallel  # not a collective's
+    # with full recompute the forward's runs twice
+    lay = Layout("x", train=TrainParallel(tp=2, sequence_parallel=True, recompute_granularity="full"), cluster=CPU4)
+    base = step_time.micro_batch(TINY, lay, 4, False, SHORT, FIXED, True)
+    assert step_time.micro_batch(TINY, lay, 4, False, SHORT, extra, True).compute - base.compute == pytest.approx(
+        4 * (2 * 1e-3 + 4e-3))
+
+
 def test_one_optimizer_step_by_hand_and_the_rl_step_made_of_them():
     # one rank: 16 sequences of 128 tokens in 4 micro-batches of 4; forward, backward = 3x the FLOPs
     one = Layout("x", cluster=Cluster(device="cpu"))
@@ -287,12 +309,17 @@ def test_a_probes_sheet_gives_its_fixed_costs(tmp_path):
     body = (f"device: cpu\nbf16_tflops: {figure % 0.01}\nhbm_gb_s: {figure % 10}\nintra_node_gb_s: {figure % 1}\n"
             f"inter_node_gb_s: {figure % 1}\n")
     sheet.write_text(body + "overheads: {collective_latency_us: 500, layer_forward_us: 2000, layer_backward_us: 3000, "
-                            "optimizer_step_us: 7000, by: probe, source: a probe}\n")
+                            "tp_layer_forward_us: 100, tp_layer_backward_us: 200, ep_layer_forward_us: 300, "
+                            "ep_layer_backward_us: 400, optimizer_step_us: 7000, by: probe, source: a probe}\n")
     hw = load_hardware(str(sheet))
-    assert hw.overheads == Overheads(500, 2000, 3000, optimizer_step_us=7000, by="probe", source="a probe")
+    assert hw.overheads == Overheads(500, 2000, 3000, tp_layer_forward_us=100, tp_layer_backward_us=200,
+                                     ep_layer_forward_us=300, ep_layer_backward_us=400, optimizer_step_us=7000,
+                                     by="probe", source="a probe")
     r = Rates.of(hw, Assumptions(mfu=0.4))  # a measured compute rate is achieved already: no MFU on it
     assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward, r.optimizer_step) == pytest.approx(
         (1e10, 1e9, 5e-4, 2e-3, 3e-3, 7e-3))
+    assert (r.tp_layer_forward, r.tp_layer_backward, r.ep_layer_forward, r.ep_layer_backward) == pytest.approx(
+        (1e-4, 2e-4, 3e-4, 4e-4))
     sheet.write_text(body)  # none given: none counted, as a vendor sheet
     assert Rates.of(load_hardware(str(sheet)), Assumptions()).latency == 0.0
     sheet.write_text(body + "overheads: {collective_latency_us: -1}\n")
@@ -430,14 +457,49 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     fit.update(ranks=4)  # without the TP pairs' calls, the 4-rank fit's intercept spans three ring steps
     path.write_text(probe.sheet(4, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
     assert Rates.of(load_hardware(str(path)), Assumptions()).latency == pytest.approx(800e-6 / 3, rel=1e-3)
-    # with them, a call in the TP2 layer is the latency: a pair's call is one ring step
+    # with the layers at TP2 and EP2: a call in the TP2 layers is the latency (a pair's call is one ring
+    # step); a layer at TP2 takes half its FLOPs at the rate + the layer's fixed cost + 1 ms forward and
+    # 5 ms backward, at EP2 all its FLOPs + the fixed cost + 0.5 ms and 0 ms (here less: taken as 0)
+    f = 2e7
+
+    def parallel(call_s: float) -> dict:
+        return {"tp": {"parallel": {"tp": 2, "sequence_parallel": True}, "flops": f, "call_s": call_s,
+                       "fwd_s": 2e-3 + f / 2 / 4e9 + 1e-3, "bwd_s": 3e-3 + f / 4e9 + 5e-3},
+                "ep": {"parallel": {"ep": 2}, "flops": f, "call_s": 0.0,
+                       "fwd_s": 2e-3 + f / 4e9 + 0.5e-3, "bwd_s": 3e-3 + 2 * f / 4e9 - 1e-3}}
+
     ranks = [{"collectives": collectives, "layers": layers, "steps": steps, "copy_bytes_s": 5e9,
-              "in_layer": {"s": s, "calls": 33}} for s in (0.9e-3, 1.1e-3, 1.2e-3)]
+              "parallel": parallel(s)} for s in (0.9e-3, 1.1e-3, 1.2e-3)]
     fit = probe.summarise_probe(ranks)
     assert fit["in_layer_call_s"] == pytest.approx(1.1e-3)
+    assert fit["parallel_layers"]["tp"] == pytest.approx({"fwd_s": 1e-3, "bwd_s": 5e-3})
+    assert fit["parallel_layers"]["ep"] == pytest.approx({"fwd_s": 0.5e-3, "bwd_s": -1e-3})
     fit.update(ranks=4, when="now")
     path.write_text(probe.sheet(4, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
-    assert Rates.of(load_hardware(str(path)), Assumptions()).latency == pytest.approx(1.1e-3)
+    r = Rates.of(load_hardware(str(path)), Assumptions())
+    assert (r.latency, r.tp_layer_forward, r.tp_layer_backward, r.ep_layer_forward, r.ep_layer_backward) == \
+        pytest.approx((1.1e-3, 1e-3, 5e-3, 0.5e-3, 0.0))
+    assert "| 1.00 / 5.00 | 0.50 / -1.00 |" in probe.probe_table({(4, 1): fit})
+
+
+def _parallel_layers_on_a_rank(rank: int, repeats: int) -> dict:
+    from bench.plan_calibrate import _parallel_layers
+
+    return _parallel_layers(TINY, repeats)
+
+
+@pytest.mark.slow
+def test_the_probe_times_the_layer_at_tp2_and_ep2_on_gloo_ranks():
+    # megatron's groups rebuilt for TP2+SP, then EP2, on 2 real gloo ranks; every collective the
+    # layers issue is timed (the TP pair's gathers and scatters, the allgather dispatcher's)
+    from bench.common import run_ranks
+
+    for r in run_ranks(_parallel_layers_on_a_rank, 2, 1, 1):
+        assert r["tp"]["parallel"] == {"tp": 2, "sequence_parallel": True} and r["ep"]["parallel"] == {"ep": 2}
+        for name in ("tp", "ep"):
+            assert r[name]["flops"] == 4 * flops.layer_forward_flops(TINY, 128)
+            assert 0 < r[name]["call_s"] < 1
+            assert all(abs(r[name][k]) < 1 for k in ("fwd_s", "bwd_s"))
 
 
 def test_the_comparison_holds_the_model_only_to_pairs_the_rounds_tell_apart():

@@ -45,6 +45,13 @@ class Overheads:
     # output layer's FLOPs
     micro_batch_forward_us: float = 0.0
     micro_batch_backward_us: float = 0.0
+    # a decoder layer's forward (backward) under TP (EP) beyond the layer's: what the sequence-parallel
+    # gathers and scatters (the MoE dispatcher) add outside their collectives, and smaller GEMMs' lower
+    # rate; measured at TP2 (EP2), taken for any TP (EP) > 1
+    tp_layer_forward_us: float = 0.0
+    tp_layer_backward_us: float = 0.0
+    ep_layer_forward_us: float = 0.0
+    ep_layer_backward_us: float = 0.0
     # one optimizer step beyond its Adam bytes at the memory rate and its parameter all-gather (the
     # gradient norm, the clip, Python over the parameter groups)
     optimizer_step_us: float = 0.0
@@ -77,7 +84,8 @@ _CHECKS = {
 }
 _RULES = {f"{figure}.{key}": check for figure in _FIGURES for key, check in _CHECKS.items()}
 _RULES |= {f"overheads.{key}": (lambda v: None if v >= 0 else "must be >= 0")
-           for key in ("collective_latency_us", "layer_forward_us", "layer_backward_us", "micro_batch_forward_us",
+           for key in ("collective_latency_us", "layer_forward_us", "layer_backward_us", "tp_layer_forward_us",
+                       "tp_layer_backward_us", "ep_layer_forward_us", "ep_layer_backward_us", "micro_batch_forward_us",
                        "micro_batch_backward_us", "optimizer_step_us")}
 _RULES["overheads.by"] = _CHECKS["by"]
 
@@ -138,6 +146,10 @@ class Rates:
     latency: float = 0.0  # seconds per collective launch (Overheads)
     layer_forward: float = 0.0  # seconds per decoder layer and micro-batch, forward (Overheads)
     layer_backward: float = 0.0  # the same, backward
+    tp_layer_forward: float = 0.0  # seconds a decoder layer's forward adds under TP > 1 (Overheads)
+    tp_layer_backward: float = 0.0  # the same, backward
+    ep_layer_forward: float = 0.0  # seconds a decoder layer's forward adds under EP > 1 (Overheads)
+    ep_layer_backward: float = 0.0  # the same, backward
     micro_batch_forward: float = 0.0  # seconds per micro-batch outside the layers, forward (Overheads)
     micro_batch_backward: float = 0.0  # the same, backward
     optimizer_step: float = 0.0  # seconds per optimizer step beyond its bytes (Overheads)
@@ -168,6 +180,8 @@ class Rates:
         fixed = hw.overheads if hw else Overheads()
         return cls(*values, hardware=hw.name if hw else "command line", latency=fixed.collective_latency_us * 1e-6,
                    layer_forward=fixed.layer_forward_us * 1e-6, layer_backward=fixed.layer_backward_us * 1e-6,
+                   tp_layer_forward=fixed.tp_layer_forward_us * 1e-6, tp_layer_backward=fixed.tp_layer_backward_us * 1e-6,
+                   ep_layer_forward=fixed.ep_layer_forward_us * 1e-6, ep_layer_backward=fixed.ep_layer_backward_us * 1e-6,
                    micro_batch_forward=fixed.micro_batch_forward_us * 1e-6,
                    micro_batch_backward=fixed.micro_batch_backward_us * 1e-6,
                    optimizer_step=fixed.optimizer_step_us * 1e-6, ranks_share_cores=fixed.ranks_share_cores)

@@ -25,13 +25,15 @@ launches (``edge_launches``); a pipeline send;
 one reduce-scatter and one all-gather, or one all-reduce, per gradient group, the buffers taken as
 one bucket; where the sheet's ranks share the cores, at least two a core, no pipeline bubble:
 ``bubble_seconds``), each decoder layer's per-micro-batch forward and backward cost beyond its FLOPs
-(on a device of a few cores, Python and kernel launches), and the rest of the model's (embedding,
+(on a device of a few cores, Python and kernel launches) and what it adds under TP and under EP
+(``layer_fixed_seconds``: the sequence-parallel gathers' and the MoE dispatcher's work outside their
+collectives, smaller GEMMs' lower rate; measured at TP2 and EP2, taken for any degree), and the rest of the model's (embedding,
 output layer, log-probs, and in training the schedule's and the policy loss's; counted on the last
 stage), and an optimizer step's beyond its Adam bytes (the gradient norm with its all-reduce, the
 clip, the step's metric sums). The optimizer's update counts its Adam bytes at the memory rate
 (``optimizer_update_seconds``). Not counted: the offload to and from the host, expert load
-imbalance, smaller GEMMs' lower efficiency at higher TP, and the fixed costs TP adds to a layer
-(its gathers' and scatters' own Python; the sheets measure the layer at TP 1).
+imbalance, and on a sheet without the TP and EP layer figures (every NPU and GPU sheet) what TP and
+EP add to a layer beyond their collectives.
 """
 
 from __future__ import annotations
@@ -191,8 +193,8 @@ def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, 
         work += flops.logits_flops(spec, tokens) * (3 if training else 1)
     compute = work / (t.tp * t.cp) / rates.flops
     # fixed per layer, whatever the tokens: not shared by TP or CP (every rank runs each layer)
-    compute += layers * ((1 + recompute) * rates.layer_forward + rates.layer_backward if training
-                         else rates.layer_forward)
+    forward, backward = layer_fixed_seconds(layout, rates)
+    compute += layers * ((1 + recompute) * forward + backward if training else forward)
     if last_stage:  # the rest of the model's fixed cost (embedding, output layer, log-probs), taken on the last stage
         compute += rates.micro_batch_forward + (rates.micro_batch_backward if training else 0.0)
     if not t.flash_attn:  # the local attention's scores are memory-bound: their bytes at the HBM rate
@@ -222,6 +224,14 @@ def micro_batch(spec: ModelSpec, layout: Layout, layers: int, last_stage: bool, 
                                                + launches["context_parallel"] * rates.latency),
         pipeline_p2p=sends * (boundary / link_rate(g.pp, rates, dpn) + rates.latency),
     )
+
+
+def layer_fixed_seconds(layout: Layout, rates: Rates) -> tuple[float, float]:
+    """A decoder layer's fixed (forward, backward) seconds per micro-batch: the sheet's layer's, and
+    what the sheet says the layer adds under TP > 1 and under EP > 1."""
+    t = layout.train
+    return (rates.layer_forward + (t.tp > 1) * rates.tp_layer_forward + (t.ep > 1) * rates.ep_layer_forward,
+            rates.layer_backward + (t.tp > 1) * rates.tp_layer_backward + (t.ep > 1) * rates.ep_layer_backward)
 
 
 def dispatcher(layout: Layout) -> str:
