@@ -9,7 +9,8 @@
 ``probe`` measures, for each way bench/actor_throughput.py runs ranks here (``RANKS x THREADS``:
 1 x 2 for ``single``, 1 x 1 for ``single-1t``, 2 x 1 and 4 x 1 for the 2- and 4-rank layouts), with
 that many ranks running at once, each with that many intra-op threads (so the 4-rank probe shares
-the cores as the 4-rank layouts do):
+the cores as the 4-rank layouts do), every configuration once in each of ``--rounds`` rounds, in
+turn, its figures fitted over every round's points (the machine's drift falls on all of them alike):
 
 - the gloo collectives' launch latency and bandwidth: ``all_gather_into_tensor`` and
   ``all_to_all_single`` of 1 KiB to 1 MiB per rank back to back, each a median over repeats,
@@ -523,15 +524,20 @@ def probe_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     command = command_line(SCRIPT, argv)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load_before = load_before_run()
+    # every configuration once a round, in turn, so that the machine's drift over the probe (its
+    # copy rate moved between 3.9 and 9.8 GB/s from one probe to the next) falls on each of them alike
+    measured: dict[tuple[int, int], list[dict]] = {config: [] for config in args.configs}
+    for round_ in range(1, args.rounds + 1):
+        for ranks, threads in args.configs:
+            tag = f"[round {round_}/{args.rounds}] [{ranks} x {threads}]"
+            print(f"{tag} probing ...", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            measured[ranks, threads] += run_ranks(probe_rank, ranks, threads, args.repeats)
+            print(f"{tag} {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     fits = {}
-    for ranks, threads in args.configs:
-        print(f"[{ranks} x {threads}] probing ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        fits[ranks, threads] = summarise_probe(run_ranks(probe_rank, ranks, threads, args.repeats))
-        fits[ranks, threads]["when"] = when
-        fits[ranks, threads]["ranks"] = ranks
-        print(f"[{ranks} x {threads}] {time.perf_counter() - start:.0f} s: {describe_fit(fits[ranks, threads])}",
-              file=sys.stderr, flush=True)
+    for (ranks, threads), points in measured.items():  # every round's ranks' points together
+        fits[ranks, threads] = summarise_probe(points) | {"when": when, "ranks": ranks}
+        print(f"[{ranks} x {threads}] {describe_fit(fits[ranks, threads])}", file=sys.stderr, flush=True)
     with_links = [k for k in fits if "collectives" in fits[k]]
     if not with_links:
         raise SystemExit("error: no configuration with 2 or more ranks: no collective rates to write")
@@ -547,9 +553,9 @@ def probe_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         *machine_facts("per configuration, RANKS x THREADS: that many gloo ranks at once, each with "
                        "torch.set_num_threads(THREADS)", load_before),
         f"- written: {', '.join(f'`{_shown(args.out_dir / sheet_name(*k))}.yaml`' for k in fits)} ({when})",
-        f"- medians of {args.repeats} repeats after 2 warm-ups per point (the layers: means of "
-        f"{LAYER_REPEATS * args.repeats}; the train steps: medians of {4 * args.repeats}), each rank's own; the fits "
-        "over every rank's points",
+        f"- {args.rounds} rounds of every configuration in turn; in each, medians of {args.repeats} repeats after 2 "
+        f"warm-ups per point (the layers: means of {LAYER_REPEATS * args.repeats}; the train steps: medians of "
+        f"{4 * args.repeats}), each rank's own; the fits over every round's and every rank's points",
         "",
         probe_table(fits),
     ])
@@ -764,7 +770,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     probe.add_argument("--configs", nargs="+", type=_config, default=None, metavar="RANKSxTHREADS",
                        help="ranks at once x intra-op threads each (default: every one bench/actor_throughput.py "
                             "runs here, e.g. 1x1 1x2 2x1 4x1 on 2 cores)")
-    probe.add_argument("--repeats", type=int, default=9, help="timed repeats per point, after 2 warm-ups (default 9)")
+    probe.add_argument("--repeats", type=int, default=3,
+                       help="timed repeats per point and round, after 2 warm-ups (default 3)")
+    probe.add_argument("--rounds", type=int, default=3,
+                       help="times every configuration is probed, the configurations in turn each round (default 3)")
     probe.add_argument("--out-dir", type=Path, default=SHEETS, help=f"where the sheets go (default {_shown(SHEETS)})")
     probe.add_argument("--out", type=Path, default=None,
                        help=f"markdown file whose generated block '{PROBE_BLOCK}' to (re)write, e.g. "
@@ -782,8 +791,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.command == "probe":
         args.configs = args.configs or bench_configs()
-        if args.repeats < 1:
-            p.error("--repeats must be >= 1")
+        if args.repeats < 1 or args.rounds < 1:
+            p.error("--repeats and --rounds must be >= 1")
         args.out_dir = args.out_dir.resolve()
         check_out(p, args.out, SCRIPT, PROBE_BLOCK)
     else:
