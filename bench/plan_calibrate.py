@@ -187,7 +187,6 @@ def _parallel_layers(spec: ModelSpec, repeats: int) -> dict[str, dict]:
     ``time_collectives``); the layer is the deeper model less the shallower, of the seconds outside
     the collectives; and the seconds per call over every pass (at TP2 each call spans a pair of
     ranks: one ring step)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from bench.actor_throughput import PhaseTimers, time_collectives
@@ -206,23 +205,7 @@ def _parallel_layers(spec: ModelSpec, repeats: int) -> dict[str, dict]:
         models = {layers: build_model_chunks(replace(spec, num_layers=layers), train,
                                              BuildOptions(params_dtype=torch.float32), "cpu")[1][0]
                   for layers in LAYER_DEPTHS}
-        times: dict[tuple[int, str], list[float]] = {(layers, k): [] for layers in models for k in ("fwd", "bwd")}
-        per_call = []
-        for rep in range(LAYER_REPEATS * repeats + 2):  # two warm-ups
-            for layers, model in models.items():
-                model.zero_grad(set_to_none=True)
-                dist.barrier()
-                timers.reset()
-                start = time.perf_counter()
-                loss = _log_prob_loss(model, rows)
-                middle, forward_comm = time.perf_counter(), sum(timers.comm.values())
-                loss.backward()
-                end, comm = time.perf_counter(), sum(timers.comm.values())
-                if rep >= 2:
-                    times[layers, "fwd"].append(middle - start - forward_comm)
-                    times[layers, "bwd"].append(end - middle - (comm - forward_comm))
-                    per_call.append(comm / timers.calls)
-        mean = {k: statistics.mean(v) for k, v in times.items()}
+        mean, per_call = _depth_passes(models, rows, repeats, timers)
         low, high = LAYER_DEPTHS
         out[name] = {"parallel": parallel, "flops": LAYER_ROWS * flops.layer_forward_flops(spec, PARALLEL_LAYER_TOKENS),
                      "fwd_s": mean[high, "fwd"] - mean[low, "fwd"], "bwd_s": mean[high, "bwd"] - mean[low, "bwd"],
@@ -244,6 +227,38 @@ def _build_models(spec: ModelSpec) -> dict[int, Any]:
             for layers in LAYER_DEPTHS}
 
 
+def _depth_passes(models: dict[int, Any], rows: dict[str, torch.Tensor], repeats: int,
+                  timers: Any = None) -> tuple[dict[tuple[int, str], float], list[float]]:
+    """Mean forward and backward seconds of each of the ``LAYER_DEPTHS`` models on ``rows``
+    (``LAYER_REPEATS`` times the repeats, the models alternately, every rank starting each pass
+    together); with ``timers`` (the collectives routed through them, ``time_collectives``) the
+    seconds inside collectives left out, and each pass's seconds per call."""
+    import torch.distributed as dist
+
+    def comm() -> float:
+        return sum(timers.comm.values()) if timers is not None else 0.0
+
+    times: dict[tuple[int, str], list[float]] = {(layers, k): [] for layers in models for k in ("fwd", "bwd")}
+    per_call = []
+    for rep in range(LAYER_REPEATS * repeats + 2):  # two warm-ups
+        for layers, model in models.items():
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            if timers is not None:
+                timers.reset()
+            start = time.perf_counter()
+            loss = _log_prob_loss(model, rows)
+            middle, forward_comm = time.perf_counter(), comm()
+            loss.backward()
+            end, total_comm = time.perf_counter(), comm()
+            if rep >= 2:
+                times[layers, "fwd"].append(middle - start - forward_comm)
+                times[layers, "bwd"].append(end - middle - (total_comm - forward_comm))
+                if timers is not None:
+                    per_call.append(total_comm / timers.calls)
+    return {k: statistics.mean(v) for k, v in times.items()}, per_call
+
+
 def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[dict]:
     """Forward and backward seconds of the ``LAYER_DEPTHS`` models per sequence length, measured
     alternately, each with the actor's log-probs on its logits (``loss.vocab_parallel``, entropy
@@ -251,25 +266,9 @@ def _layer_times(spec: ModelSpec, models: dict[int, Any], repeats: int) -> list[
     decoder layer; the shallower model less its layers, the rest of the model (embedding, output
     layer, log-probs). Every rank starts each pass together, as the actor's ranks run in step (their
     collectives hold them together): ranks that share the cores share them for the whole pass."""
-    import torch.distributed as dist
-
     out = []
     for s in LAYER_TOKENS:
-        rows = _rows(spec, s)
-        times: dict[tuple[int, str], list[float]] = {(layers, k): [] for layers in models for k in ("fwd", "bwd")}
-        for rep in range(LAYER_REPEATS * repeats + 2):  # two warm-ups
-            for layers, model in models.items():
-                model.zero_grad(set_to_none=True)
-                dist.barrier()
-                start = time.perf_counter()
-                loss = _log_prob_loss(model, rows)
-                middle = time.perf_counter()
-                loss.backward()
-                end = time.perf_counter()
-                if rep >= 2:
-                    times[layers, "fwd"].append(middle - start)
-                    times[layers, "bwd"].append(end - middle)
-        mean = {k: statistics.mean(v) for k, v in times.items()}
+        mean, _ = _depth_passes(models, _rows(spec, s), repeats)
         low, high = LAYER_DEPTHS
         layer = {k: mean[high, k] - mean[low, k] for k in ("fwd", "bwd")}
         out.append({"tokens": LAYER_ROWS * s, "seq_len": s,

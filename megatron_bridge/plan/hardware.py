@@ -13,7 +13,7 @@ without them counts none, as the model did before them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megatron_bridge.configs import check_keys, find_config, key_tree, read_yaml, shipped, typed_fields
 from megatron_bridge.errors import ConfigError
@@ -83,10 +83,8 @@ _CHECKS = {
     "by": lambda v: None if v in BY else f"choose one of {', '.join(BY)}",
 }
 _RULES = {f"{figure}.{key}": check for figure in _FIGURES for key, check in _CHECKS.items()}
-_RULES |= {f"overheads.{key}": (lambda v: None if v >= 0 else "must be >= 0")
-           for key in ("collective_latency_us", "layer_forward_us", "layer_backward_us", "tp_layer_forward_us",
-                       "tp_layer_backward_us", "ep_layer_forward_us", "ep_layer_backward_us", "micro_batch_forward_us",
-                       "micro_batch_backward_us", "optimizer_step_us")}
+_RULES |= {f"overheads.{f.name}": (lambda v: None if v >= 0 else "must be >= 0")
+           for f in fields(Overheads) if f.name.endswith("_us")}
 _RULES["overheads.by"] = _CHECKS["by"]
 
 
