@@ -583,7 +583,14 @@ def test_signal_before_ray_starts(start_launcher, sig, ctrl_c):
 @pytest.mark.slow
 def test_ctrl_c_while_ray_starts_stops_it(start_launcher):
     launcher = start_launcher(TINY, NNODES="1", LAUNCH_PAUSE_AT="ray_starting")
-    launcher.pause_point("ray_starting")  # `ray start` is on its way up
+    launcher.pause_point("ray_starting")
+    # `ray start` is on its way up once its log is open: the launcher's child has set Ctrl-C aside by
+    # then. A Ctrl-C in the instant before would end that child before Ray starts at all (nothing to stop).
+    (run_log,) = (launcher.tmp_path / "logs").iterdir()
+    deadline = time.monotonic() + HANG_S
+    while not (run_log / "ray_head.log").exists():
+        assert time.monotonic() < deadline, f"`ray start` never opened its log; {launcher.text[-2000:]}"
+        time.sleep(0.05)
     launcher.signal(signal.SIGINT, ctrl_c=True)
     assert "stopping this node's Ray" in assert_stopped_by(launcher, signal.SIGINT)
 
