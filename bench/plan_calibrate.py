@@ -3,6 +3,7 @@
 
     python bench/plan_calibrate.py probe --out docs/bench_plan.md      # rates -> bench/calibration/*.yaml
     python bench/plan_calibrate.py compare --steps 5 --out docs/bench_plan.md   # predicted vs measured
+    python bench/plan_calibrate.py calibrate --steps 5 --out docs/bench_plan.md # both, their rounds in turn
     python -m megatron_bridge.plan check --model tiny_qwen3_moe --parallel tiny_cpu \
         --hardware bench/calibration/cpu_gloo_2x1.yaml ...                  # a sheet in the planner
 
@@ -65,6 +66,12 @@ the order of the layouts by each, and which pairs of layouts the rounds tell apa
 one faster than every round of the other; closer pairs trade places between runs). Nothing of the
 comparison feeds back into the sheets. The log-prob pass is shown too (``step_time.log_prob_pass``),
 not judged.
+
+``calibrate`` is ``probe`` and ``compare`` in one run, their rounds in turn (probe round 1, comparison
+round 1, probe round 2, ...): the rates are fitted from the probe's rounds alone, as ``probe`` fits
+them, but over the same stretch of the machine as the steps they are checked against (on a small
+shared machine a rank's speed drifts by more between two runs half an hour apart than within one:
+docs/bench_plan.md).
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ from megatron_bridge.plan.hardware import GB  # noqa: E402
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec  # noqa: E402
 
 SCRIPT = "bench/plan_calibrate.py"
+TITLE = "The planner's step time against the CPU actor"
 PROBE_BLOCK = "probe"  # the probe's generated block in --out (bench/common.py markers); compare writes the first
 MODEL = "tiny_qwen3_moe"
 SHEETS = REPO / "bench" / "calibration"
@@ -519,27 +527,24 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
     return header + yaml.safe_dump(data, sort_keys=False, width=200)
 
 
-def probe_main(args: argparse.Namespace, argv: list[str] | None) -> int:
-    command = command_line(SCRIPT, argv)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load_before = load_before_run()
-    # every configuration once a round, in turn, so that the machine's drift over the probe (its
-    # copy rate moved between 3.9 and 9.8 GB/s from one probe to the next) falls on each of them alike
-    measured: dict[tuple[int, int], list[dict]] = {config: [] for config in args.configs}
-    for round_ in range(1, args.rounds + 1):
-        for ranks, threads in args.configs:
-            tag = f"[round {round_}/{args.rounds}] [{ranks} x {threads}]"
-            print(f"{tag} probing ...", file=sys.stderr, flush=True)
-            start = time.perf_counter()
-            measured[ranks, threads] += run_ranks(probe_rank, ranks, threads, args.repeats)
-            print(f"{tag} {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+def _probe_round(args: argparse.Namespace, round_: int, measured: dict[tuple[int, int], list[dict]]) -> None:
+    """Every configuration once, in turn: its ranks' points added to ``measured``."""
+    for ranks, threads in args.configs:
+        tag = f"[round {round_}/{args.rounds}] [{ranks} x {threads}]"
+        print(f"{tag} probing ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        measured[ranks, threads] += run_ranks(probe_rank, ranks, threads, args.repeats)
+        print(f"{tag} {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def _write_probe(args: argparse.Namespace, command: str, measured: dict[tuple[int, int], list[dict]], when: str,
+                 load_before: float) -> None:
+    """The fits over every round's and every rank's points: the sheets, and the probe's block of ``--out``."""
     fits = {}
-    for (ranks, threads), points in measured.items():  # every round's ranks' points together
+    for (ranks, threads), points in measured.items():
         fits[ranks, threads] = summarise_probe(points) | {"when": when, "ranks": ranks}
         print(f"[{ranks} x {threads}] {describe_fit(fits[ranks, threads])}", file=sys.stderr, flush=True)
-    with_links = [k for k in fits if "collectives" in fits[k]]
-    if not with_links:
-        raise SystemExit("error: no configuration with 2 or more ranks: no collective rates to write")
+    with_links = [k for k in fits if "collectives" in fits[k]]  # parse_args asks for one at least
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for (ranks, threads), fit in fits.items():
         links = fit if "collectives" in fit else fits[min(with_links)]
@@ -552,13 +557,29 @@ def probe_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         *machine_facts("per configuration, RANKS x THREADS: that many gloo ranks at once, each with "
                        "torch.set_num_threads(THREADS)", load_before),
         f"- written: {', '.join(f'`{_shown(args.out_dir / sheet_name(*k))}.yaml`' for k in fits)} ({when})",
-        f"- {args.rounds} rounds of every configuration in turn; in each, medians of {args.repeats} repeats after 2 "
+        f"- {args.rounds} rounds of every configuration in turn"
+        + (" (each round followed by that round of the comparison)" if args.command == "calibrate" else "")
+        + f"; in each, medians of {args.repeats} repeats after 2 "
         f"warm-ups per point (the layers: means of {LAYER_REPEATS * args.repeats}; the train steps: medians of "
         f"{4 * args.repeats}), each rank's own; the fits over every round's and every rank's points",
         "",
         probe_table(fits),
     ])
-    publish(body, args.out, SCRIPT, "The planner's step time against the CPU actor", PROBE_BLOCK)
+    publish(body, args.out, SCRIPT, TITLE, PROBE_BLOCK)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def probe_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    command, when, load_before = command_line(SCRIPT, argv), _now(), load_before_run()
+    # every configuration once a round, in turn, so that the machine's drift over the probe (its
+    # copy rate moved between 3.9 and 9.8 GB/s from one probe to the next) falls on each of them alike
+    measured: dict[tuple[int, int], list[dict]] = {config: [] for config in args.configs}
+    for round_ in range(1, args.rounds + 1):
+        _probe_round(args, round_, measured)
+    _write_probe(args, command, measured, when, load_before)
     return 0
 
 
@@ -666,26 +687,19 @@ def compare_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
-    from bench.actor_throughput import BatchShape, describe_layout, make_batch, run_layout
+def _compare_round(args: argparse.Namespace, round_: int, checkpoint: str, shape,
+                   results: dict[str, list[dict]]) -> None:
+    """Every layout once, in turn: its measured steps added to ``results``."""
+    from bench.actor_throughput import describe_layout, run_layout
 
-    missing = [str(sheet_for(n, args.sheets, args.threads)) for n in args.layouts
-               if not sheet_for(n, args.sheets, args.threads).exists()]
-    if missing:
-        raise SystemExit(f"error: no sheet {', '.join(sorted(set(missing)))}; run `python {SCRIPT} probe` first")
-    shape = BatchShape()
-    spec = load_model_spec(MODEL)
-    response = round(float(make_batch(shape, spec.vocab_size)["response_mask"].sum()) / shape.rows)  # mean
-    load_before = load_before_run()
-    results: dict[str, list[dict]] = {name: [] for name in args.layouts}
-    with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
-        checkpoint = save_model(tmp, "tiny")
-        # every layout once a round, so that the machine's drift over the run falls on all of them alike
-        for round_ in range(1, args.rounds + 1):
-            for name in args.layouts:
-                print(f"[round {round_}/{args.rounds}] [{name}] {describe_layout(name)} ...", file=sys.stderr, flush=True)
-                results[name].append(run_layout(name, checkpoint, shape, None, args.steps, args.threads, None, "cpu",
-                                                "fp32"))
+    for name in args.layouts:
+        print(f"[round {round_}/{args.rounds}] [{name}] {describe_layout(name)} ...", file=sys.stderr, flush=True)
+        results[name].append(run_layout(name, checkpoint, shape, None, args.steps, args.threads, None, "cpu", "fp32"))
+
+
+def _compared(args: argparse.Namespace, results: dict[str, list[dict]], shape, spec: ModelSpec,
+              response: int) -> list[dict]:
+    """Each layout's measured rounds beside the planner's prediction from its sheet in ``args.sheets``."""
     rows = []
     for name, runs in results.items():
         seq_len = runs[0]["computed_tokens"] // shape.rows  # every row padded to the longest (x TP)
@@ -703,8 +717,53 @@ def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
                      "log_prob_error": log_prob / measured_log_prob - 1})
         print(f"[{name}] train step predicted {train:.3f} s, measured {measured_train:.3f} s "
               f"({rows[-1]['train_error']:+.0%})", file=sys.stderr, flush=True)
+    return rows
+
+
+def _batch() -> tuple[Any, ModelSpec, int]:
+    """bench/actor_throughput.py's default batch, the tiny model's spec, the batch's mean response length."""
+    from bench.actor_throughput import BatchShape, make_batch
+
+    shape = BatchShape()
+    spec = load_model_spec(MODEL)
+    response = round(float(make_batch(shape, spec.vocab_size)["response_mask"].sum()) / shape.rows)
+    return shape, spec, response
+
+
+def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    missing = [str(sheet_for(n, args.sheets, args.threads)) for n in args.layouts
+               if not sheet_for(n, args.sheets, args.threads).exists()]
+    if missing:
+        raise SystemExit(f"error: no sheet {', '.join(sorted(set(missing)))}; run `python {SCRIPT} probe` first")
+    shape, spec, response = _batch()
+    load_before = load_before_run()
+    results: dict[str, list[dict]] = {name: [] for name in args.layouts}
+    with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
+        checkpoint = save_model(tmp, "tiny")
+        # every layout once a round, so that the machine's drift over the run falls on all of them alike
+        for round_ in range(1, args.rounds + 1):
+            _compare_round(args, round_, checkpoint, shape, results)
+    rows = _compared(args, results, shape, spec, response)
     body = compare_report(rows, command_line(SCRIPT, argv), shape, response, args, load_before)
-    publish(body, args.out, SCRIPT, "The planner's step time against the CPU actor")
+    publish(body, args.out, SCRIPT, TITLE)
+    return 0
+
+
+def calibrate_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The probe's rounds and the comparison's in turn (a probe round, then a comparison round): the
+    rates and the steps they predict measured over the same stretch of the machine's drift."""
+    command, when, load_before = command_line(SCRIPT, argv), _now(), load_before_run()
+    shape, spec, response = _batch()
+    measured: dict[tuple[int, int], list[dict]] = {config: [] for config in args.configs}
+    results: dict[str, list[dict]] = {name: [] for name in args.layouts}
+    with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
+        checkpoint = save_model(tmp, "tiny")
+        for round_ in range(1, args.rounds + 1):
+            _probe_round(args, round_, measured)
+            _compare_round(args, round_, checkpoint, shape, results)
+    _write_probe(args, command, measured, when, load_before)  # the sheets first: the predictions read them
+    rows = _compared(args, results, shape, spec, response)
+    publish(compare_report(rows, command, shape, response, args, load_before), args.out, SCRIPT, TITLE)
     return 0
 
 
@@ -728,7 +787,8 @@ def compare_report(rows: list[dict], command: str, shape, response: int, args: a
         f"- predicted: `megatron_bridge.plan.step_time.optimizer_step` (train step) and `log_prob_pass`, the tiny "
         f"Qwen3-MoE, the layout on one node of its ranks, micro-batches of {shape.micro_batch} sequences at the padded "
         f"length, at the sheet of the layout's ranks x threads ({_shown(args.sheets)}/, "
-        "written by the probe before this run)",
+        + ("written by this run's probe, its rounds taken in turn with these)" if args.command == "calibrate"
+           else "written by the probe before this run)"),
         "",
         compare_table(rows),
         "",
@@ -766,47 +826,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     probe = sub.add_parser("probe", help="measure this machine's rates; write hardware sheets")
-    probe.add_argument("--configs", nargs="+", type=_config, default=None, metavar="RANKSxTHREADS",
+    cmp = sub.add_parser("compare",
+                         help="predicted against measured train step for bench/actor_throughput.py's layouts")
+    both = sub.add_parser("calibrate", help="probe and compare, their rounds in turn (a probe round, then a "
+                                            "comparison round): both over the same stretch of the machine's drift")
+    for q in (probe, both):
+        q.add_argument("--configs", nargs="+", type=_config, default=None, metavar="RANKSxTHREADS",
                        help="ranks at once x intra-op threads each (default: every one bench/actor_throughput.py "
                             "runs here, e.g. 1x1 1x2 2x1 4x1 on 2 cores)")
-    probe.add_argument("--repeats", type=int, default=3,
+        q.add_argument("--repeats", type=int, default=3,
                        help="timed repeats per point and round, after 2 warm-ups (default 3)")
-    probe.add_argument("--rounds", type=int, default=3,
-                       help="times every configuration is probed, the configurations in turn each round (default 3)")
-    probe.add_argument("--out-dir", type=Path, default=SHEETS, help=f"where the sheets go (default {_shown(SHEETS)})")
+        q.add_argument("--out-dir", type=Path, default=SHEETS, help=f"where the sheets go (default {_shown(SHEETS)})")
+    for q in (cmp, both):
+        q.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(TABLE_LAYOUTS), metavar="LAYOUT",
+                       help=f"layouts (default: bench/actor_throughput.py's table: {', '.join(TABLE_LAYOUTS)})")
+        q.add_argument("--steps", type=int, default=5, help="measured steps per layout, after one warm-up (default 5)")
+        q.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the bench's)")
+    cmp.add_argument("--sheets", type=Path, default=SHEETS, help="the probe's sheets (default bench/calibration)")
+    for q, what in ((probe, "configuration"), (cmp, "layout"), (both, "configuration and layout")):
+        q.add_argument("--rounds", type=int, default=3,
+                       help=f"times every {what} is measured, in turn each round (default 3)")
     probe.add_argument("--out", type=Path, default=None,
                        help=f"markdown file whose generated block '{PROBE_BLOCK}' to (re)write, e.g. "
                             "docs/bench_plan.md")
-    cmp = sub.add_parser("compare",
-                         help="predicted against measured train step for bench/actor_throughput.py's layouts")
-    cmp.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(TABLE_LAYOUTS), metavar="LAYOUT",
-                     help=f"layouts (default: bench/actor_throughput.py's table: {', '.join(TABLE_LAYOUTS)})")
-    cmp.add_argument("--steps", type=int, default=5, help="measured steps per layout, after one warm-up (default 5)")
-    cmp.add_argument("--rounds", type=int, default=3,
-                     help="times every layout is measured, the layouts in turn each round (default 3)")
-    cmp.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the bench's)")
-    cmp.add_argument("--sheets", type=Path, default=SHEETS, help="the probe's sheets (default bench/calibration)")
     cmp.add_argument("--out", type=Path, default=None, help="markdown file whose generated block to (re)write")
+    both.add_argument("--out", type=Path, default=None,
+                      help=f"markdown file whose generated blocks (the comparison's and '{PROBE_BLOCK}') to (re)write")
     args = p.parse_args(argv)
-    if args.command == "probe":
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    if args.command in ("probe", "calibrate"):
         args.configs = args.configs or bench_configs()
-        if args.repeats < 1 or args.rounds < 1:
-            p.error("--repeats and --rounds must be >= 1")
+        if args.repeats < 1:
+            p.error("--repeats must be >= 1")
+        if all(ranks < 2 for ranks, _ in args.configs):
+            p.error("--configs has no configuration of 2 or more ranks: no collective rates to write; add one, e.g. 2x1")
         args.out_dir = args.out_dir.resolve()
         check_out(p, args.out, SCRIPT, PROBE_BLOCK)
-    else:
+    if args.command in ("compare", "calibrate"):
         if args.steps < 1:
             p.error("--steps must be >= 1")
-        if args.rounds < 1:
-            p.error("--rounds must be >= 1")
-        args.sheets = args.sheets.resolve()
+        args.sheets = args.out_dir if args.command == "calibrate" else args.sheets.resolve()
         check_out(p, args.out, SCRIPT)
+    if args.command == "calibrate":  # refused now, not after the rounds: every layout's sheet is probed
+        probed = {args.out_dir / f"{sheet_name(*c)}.yaml" for c in args.configs}
+        unprobed = sorted({sheet_for(n, args.sheets, args.threads).name for n in args.layouts} - {q.name for q in probed})
+        if unprobed:
+            p.error(f"--configs probes no {', '.join(unprobed)}, which --layouts need; add their RANKSxTHREADS")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return probe_main(args, argv) if args.command == "probe" else compare_main(args, argv)
+    return {"probe": probe_main, "compare": compare_main, "calibrate": calibrate_main}[args.command](args, argv)
 
 
 if __name__ == "__main__":

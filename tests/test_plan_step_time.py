@@ -508,3 +508,26 @@ def test_the_comparison_holds_the_model_only_to_pairs_the_rounds_tell_apart():
     # a's rounds all beat b's; c's overlap both, so neither pair with c has an order to reproduce
     rounds = {"a": [0.10, 0.12], "b": [0.13, 0.15], "c": [0.11, 0.14]}
     assert told_apart(rounds) == [("a", "b")]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["calibrate", "--configs", "1x1", "2x1", "--layouts", "single-1t", "dp2", "tp2ep2"],
+     "--configs probes no cpu_gloo_4x1.yaml, which --layouts need"),
+    (["calibrate", "--configs", "1x1", "--layouts", "single-1t"], "--configs has no configuration of 2 or more ranks"),
+    (["probe", "--configs", "1x2"], "--configs has no configuration of 2 or more ranks"),
+    (["calibrate", "--rounds", "0"], "--rounds must be >= 1"),
+])
+def test_a_calibration_that_could_not_write_its_sheets_is_refused_before_it_measures(argv, says, capsys):
+    from bench.plan_calibrate import parse_args
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv + ["--out-dir", "/nonexistent/sheets"])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_calibrate_reads_the_sheets_its_own_probe_writes(tmp_path):
+    from bench.plan_calibrate import parse_args, sheet_for
+
+    args = parse_args(["calibrate", "--out-dir", str(tmp_path)])
+    assert args.sheets == args.out_dir == tmp_path.resolve()
+    assert {sheet_for(n, args.sheets, args.threads).parent for n in args.layouts} == {tmp_path.resolve()}
