@@ -720,14 +720,23 @@ def _compared(args: argparse.Namespace, results: dict[str, list[dict]], shape, s
     return rows
 
 
-def _batch() -> tuple[Any, ModelSpec, int]:
-    """bench/actor_throughput.py's default batch, the tiny model's spec, the batch's mean response length."""
+def _measure(args: argparse.Namespace, probed: dict[tuple[int, int], list[dict]] | None = None):
+    """Every layout once a round, so that the machine's drift over the run falls on all of them alike;
+    with ``probed``, each round after a probe round into it. (measured steps by layout, batch shape,
+    model spec, mean response length)"""
     from bench.actor_throughput import BatchShape, make_batch
 
     shape = BatchShape()
     spec = load_model_spec(MODEL)
-    response = round(float(make_batch(shape, spec.vocab_size)["response_mask"].sum()) / shape.rows)
-    return shape, spec, response
+    response = round(float(make_batch(shape, spec.vocab_size)["response_mask"].sum()) / shape.rows)  # mean
+    results: dict[str, list[dict]] = {name: [] for name in args.layouts}
+    with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
+        checkpoint = save_model(tmp, "tiny")
+        for round_ in range(1, args.rounds + 1):
+            if probed is not None:
+                _probe_round(args, round_, probed)
+            _compare_round(args, round_, checkpoint, shape, results)
+    return results, shape, spec, response
 
 
 def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
@@ -735,17 +744,10 @@ def compare_main(args: argparse.Namespace, argv: list[str] | None) -> int:
                if not sheet_for(n, args.sheets, args.threads).exists()]
     if missing:
         raise SystemExit(f"error: no sheet {', '.join(sorted(set(missing)))}; run `python {SCRIPT} probe` first")
-    shape, spec, response = _batch()
-    load_before = load_before_run()
-    results: dict[str, list[dict]] = {name: [] for name in args.layouts}
-    with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
-        checkpoint = save_model(tmp, "tiny")
-        # every layout once a round, so that the machine's drift over the run falls on all of them alike
-        for round_ in range(1, args.rounds + 1):
-            _compare_round(args, round_, checkpoint, shape, results)
+    command, load_before = command_line(SCRIPT, argv), load_before_run()
+    results, shape, spec, response = _measure(args)
     rows = _compared(args, results, shape, spec, response)
-    body = compare_report(rows, command_line(SCRIPT, argv), shape, response, args, load_before)
-    publish(body, args.out, SCRIPT, TITLE)
+    publish(compare_report(rows, command, shape, response, args, load_before), args.out, SCRIPT, TITLE)
     return 0
 
 
@@ -753,15 +755,9 @@ def calibrate_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     """The probe's rounds and the comparison's in turn (a probe round, then a comparison round): the
     rates and the steps they predict measured over the same stretch of the machine's drift."""
     command, when, load_before = command_line(SCRIPT, argv), _now(), load_before_run()
-    shape, spec, response = _batch()
-    measured: dict[tuple[int, int], list[dict]] = {config: [] for config in args.configs}
-    results: dict[str, list[dict]] = {name: [] for name in args.layouts}
-    with tempfile.TemporaryDirectory(prefix="plan_calibrate_") as tmp:
-        checkpoint = save_model(tmp, "tiny")
-        for round_ in range(1, args.rounds + 1):
-            _probe_round(args, round_, measured)
-            _compare_round(args, round_, checkpoint, shape, results)
-    _write_probe(args, command, measured, when, load_before)  # the sheets first: the predictions read them
+    probed: dict[tuple[int, int], list[dict]] = {config: [] for config in args.configs}
+    results, shape, spec, response = _measure(args, probed)
+    _write_probe(args, command, probed, when, load_before)  # the sheets first: the predictions read them
     rows = _compared(args, results, shape, spec, response)
     publish(compare_report(rows, command, shape, response, args, load_before), args.out, SCRIPT, TITLE)
     return 0
@@ -869,8 +865,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sheets = args.out_dir if args.command == "calibrate" else args.sheets.resolve()
         check_out(p, args.out, SCRIPT)
     if args.command == "calibrate":  # refused now, not after the rounds: every layout's sheet is probed
-        probed = {args.out_dir / f"{sheet_name(*c)}.yaml" for c in args.configs}
-        unprobed = sorted({sheet_for(n, args.sheets, args.threads).name for n in args.layouts} - {q.name for q in probed})
+        probed = {f"{sheet_name(*c)}.yaml" for c in args.configs}
+        unprobed = sorted({sheet_for(n, args.sheets, args.threads).name for n in args.layouts} - probed)
         if unprobed:
             p.error(f"--configs probes no {', '.join(unprobed)}, which --layouts need; add their RANKSxTHREADS")
     return args
