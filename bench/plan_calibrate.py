@@ -40,12 +40,13 @@ turn, its figures fitted over every round's points (the machine's drift falls on
   the seconds inside collectives left out: what it takes beyond its FLOPs over TP at the rate and
   the layer's fixed cost is what a layer adds under TP (under EP), a fixed cost per micro-batch;
 - the actor's own train step (``MegatronActor.train_step``, the GSPO loss the bench trains with) on
-  the 1- and 2-layer models, at one and two micro-batches of 4 rows of 128 tokens, and a bare
-  forward and backward of one such micro-batch, in turns: what the step adds per micro-batch
-  (megatron's schedule, the policy loss beyond the log-probs; counted with the rest of the model's
-  backward) and per step (the optimizer's gradient norm, clip and Python, the step's metric sums),
-  beyond the Adam bytes at the copy rate and the gradient reduce-scatter and parameter all-gather
-  at the gloo fit, which ``step_time`` counts as terms of their own;
+  the 1- and 2-layer models, at one and two micro-batches of 4 rows of 128 tokens, a bare forward
+  and backward of one such micro-batch and the optimizer step alone, in turns, the differences taken
+  within each repetition: what the step adds per micro-batch (megatron's schedule, the policy loss
+  beyond the log-probs; counted with the rest of the model's backward), per decoder layer (the
+  optimizer step's work tensor by tensor) and per step (the clip and Python, the step's metric
+  sums), beyond the Adam bytes at the copy rate and the gradient reduce-scatter and parameter
+  all-gather at the gloo fit, which ``step_time`` counts as terms of their own;
 - the memory copy rate (``Tensor.copy_`` of 32 MiB, read + write), at which the planner counts
   the optimizer's Adam bytes;
 
@@ -305,13 +306,17 @@ def _parameter_gather(model) -> None:
 
 
 def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
-    """Seconds of the actor's own train step (``MegatronActor.train_step`` with the GSPO policy loss
+    """What the actor's own train step (``MegatronActor.train_step`` with the GSPO policy loss
     bench/actor_throughput.py trains with: megatron's schedule, the gradient sync, the distributed
-    Adam with the gradient norm, the clip and the parameter all-gather) on the 1- and 2-layer models,
-    for one and two micro-batches of 4 rows of 128 tokens (half of them response), and the bare
-    forward and backward of one such micro-batch (the model and the log-probs, as the layer probe
-    times them), the three in turns; and the parameters this rank updates (1/DP of them: every rank a
-    data-parallel replica)."""
+    Adam with the gradient norm, the clip and the parameter all-gather) takes beyond its passes, on
+    the 1- and 2-layer models: timed for one and two micro-batches of 4 rows of 128 tokens (half of
+    them response), beside the bare forward and backward of one such micro-batch (the model and the
+    log-probs, as the layer probe times them) and the optimizer step alone (``optimizer_step`` on the
+    gradients the steps left), the four in turns. Per point: the medians of each repetition's own
+    differences (a second micro-batch less its bare pass; twice the 1-micro-batch step less the
+    2-micro-batch one), which the machine's drift over the repetitions leaves alone where a
+    difference of medians does not; the optimizer step's median; and the parameters this rank
+    updates (1/DP of them: every rank a data-parallel replica)."""
     import torch.distributed as dist
 
     from bench.actor_throughput import BatchShape, make_batch
@@ -334,9 +339,10 @@ def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
         one = {k: v[:LAYER_ROWS] for k, v in batch.items()}
         rows = _rows(spec, shape.prompt + shape.response)  # the bare pass: the same shape, half of each row scored
         loss = partial(policy_loss_func, loss_cfg)
-        calls = {"bare_s": lambda: _log_prob_loss(actor.chunks[0], rows).backward(),
-                 "step1_s": partial(actor.train_step, one, LAYER_ROWS, loss),
-                 "step2_s": partial(actor.train_step, batch, LAYER_ROWS, loss)}
+        calls = {"bare": lambda: _log_prob_loss(actor.chunks[0], rows).backward(),
+                 "step1": partial(actor.train_step, one, LAYER_ROWS, loss),
+                 "step2": partial(actor.train_step, batch, LAYER_ROWS, loss),
+                 "optimizer": actor.optimizer_step}
         times: dict[str, list[float]] = {k: [] for k in calls}
         dist.barrier()
         # a difference of three timings tens of milliseconds long: four times the repeats
@@ -347,8 +353,11 @@ def _train_steps(spec: ModelSpec, repeats: int) -> list[dict]:
                 if rep >= 2:
                     times[key].append(time.perf_counter() - start)
         params = sum(p.numel() for chunk in actor.chunks for p in chunk.parameters())
-        out.append({"params": params, "ranks": dist.get_world_size(),
-                    **{k: statistics.median(v) for k, v in times.items()}})
+        reps = list(zip(times["bare"], times["step1"], times["step2"]))
+        out.append({"params": params, "ranks": dist.get_world_size(), "layers": layers,
+                    "micro_batch_s": statistics.median(two - one - bare for bare, one, two in reps),
+                    "fixed_s": statistics.median(2 * one - two for _, one, two in reps),
+                    "optimizer_s": statistics.median(times["optimizer"])})
     return out
 
 
@@ -411,23 +420,28 @@ def fit_parallel_layer(points: list[dict], layer: dict[str, float]) -> dict[str,
 def fit_train_step(points: list[dict], copy_bytes_s: float, collectives: dict[str, float] | None) -> dict[str, float]:
     """What the actor's train step takes beyond the bare passes of its micro-batches (seconds):
     per micro-batch (megatron's schedule, the policy loss beyond the log-probs: a second micro-batch
-    less its bare pass) and per step (the optimizer's gradient norm, clip and Python, the step's
-    count and metric all-reduces: the one-micro-batch step less its micro-batch, its shard's Adam
-    bytes at the copy rate and its gradient reduce-scatter and parameter all-gather, fp32, at the
-    probe's back-to-back gloo fit, which the planner counts as terms of their own); medians over the
-    points."""
+    less its bare pass); per decoder layer and step (the optimizer step's work tensor by tensor:
+    megatron's Adam and gradient norm on CPU loop over the parameters; the 2-layer model's optimizer
+    step less the 1-layer one's, at the probe's DP, taken for any: a DP2 rank's took no less than a
+    DP1 rank's in the probes); and per step (the count and metric all-reduces, the clip, Python: the
+    one-micro-batch step less its micro-batch, its layers' share, its shard's Adam bytes at the copy
+    rate and its gradient reduce-scatter and parameter all-gather, fp32, at the probe's back-to-back
+    gloo fit, which the planner counts as terms of their own); medians over the points."""
     from megatron_bridge.plan.collectives import ring_bytes
     from megatron_bridge.plan.step_time import ADAM_BYTES
 
-    def micro_batch(p: dict) -> float:
-        return p["step2_s"] - p["step1_s"] - p["bare_s"]
+    def optimizer(layers: int) -> float:
+        return statistics.median(p["optimizer_s"] for p in points if p["layers"] == layers)
+
+    per_layer = optimizer(2) - optimizer(1)
 
     def fixed(p: dict) -> float:
         n = p["ranks"]
         sync = 2 * (collectives["latency_s"] + ring_bytes(p["params"] * 4, n) / collectives["bytes_s"]) if n > 1 else 0.0
-        return 2 * p["step1_s"] - p["step2_s"] - p["params"] / n * ADAM_BYTES / copy_bytes_s - sync
+        return p["fixed_s"] - p["params"] / n * ADAM_BYTES / copy_bytes_s - sync - p["layers"] * per_layer
 
-    return {"micro_batch_s": statistics.median(map(micro_batch, points)), "step_s": statistics.median(map(fixed, points))}
+    return {"micro_batch_s": statistics.median(p["micro_batch_s"] for p in points),
+            "layer_s": per_layer, "step_s": statistics.median(map(fixed, points))}
 
 
 def summarise_probe(ranks: list[dict]) -> dict[str, Any]:
@@ -502,6 +516,7 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
                for name, extra in fit.get("parallel_layers", {}).items()
                for direction, key in (("forward", "fwd_s"), ("backward", "bwd_s"))},
             "optimizer_step_us": float(f"{max(0.0, step['step_s']) * 1e6:.4g}"),
+            "optimizer_layer_us": float(f"{max(0.0, step['layer_s']) * 1e6:.4g}"),
             "ranks_share_cores": shared,
             "by": "probe",
             "source": f"{where}; latency: {latency_words}; layer: the "
@@ -515,8 +530,12 @@ def sheet(ranks: int, threads: int, fit: dict[str, Any], links: dict[str, Any], 
                       "FLOPs at the layer's rate (median "
                       "over the lengths), the backward's plus what the actor's train step adds per micro-batch "
                       "(megatron's schedule, the policy loss: a 2-micro-batch step less a 1-micro-batch one less "
-                      "a bare forward and backward); optimizer_step: what the actor's train step adds per step "
-                      "over the 1- and 2-layer models (the 1-micro-batch step less that micro-batch, its Adam "
+                      "a bare forward and backward, the median of each repetition's difference); "
+                      "optimizer_layer: a decoder layer's share of the optimizer step (the 2-layer "
+                      "model's optimizer step less the 1-layer one's, median); "
+                      "optimizer_step: what the actor's train step adds per step "
+                      "over the 1- and 2-layer models (the 1-micro-batch step less that micro-batch, its layers' "
+                      "optimizer share, its Adam "
                       "bytes at hbm_gb_s, its fp32 gradient reduce-scatter and parameter all-gather at the "
                       "back-to-back gloo fit; median)",
         },
@@ -588,7 +607,8 @@ def describe_fit(fit: dict) -> str:
     words = (f"layer {layer['flops_s'] / 1e9:.2f} GFLOP/s + {layer['fixed_fwd_s'] * 1e3:.2f} ms fwd / "
              f"{layer['fixed_bwd_s'] * 1e3:.2f} ms bwd fixed; rest of the model {layer['rest_fwd_s'] * 1e3:.2f} / "
              f"{layer['rest_bwd_s'] * 1e3:.2f} ms; the train step adds {fit['train_step']['micro_batch_s'] * 1e3:.2f} ms "
-             f"a micro-batch, {fit['train_step']['step_s'] * 1e3:.2f} ms a step; "
+             f"a micro-batch, {fit['train_step']['step_s'] * 1e3:.2f} ms a step and "
+             f"{fit['train_step']['layer_s'] * 1e3:.2f} ms a layer a step; "
              f"copy {fit['copy_bytes_s'] / GB:.1f} GB/s")
     if "collectives" in fit:
         c = fit["collectives"]
@@ -602,9 +622,10 @@ def describe_fit(fit: dict) -> str:
 def probe_table(fits: dict) -> str:
     lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
              "rest of the model fwd (ms) | rest bwd (ms) | train step per micro-batch (ms) | train step fixed (ms) | "
+             "optimizer step per layer (ms) | "
              "a layer adds at TP2 fwd / bwd (ms) | at EP2 (ms) | gloo call in a TP2 layer "
              "(us) | gloo latency back to back (us) | gloo rate (GB/s) | all-gather fit | all-to-all fit | copy (GB/s) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
     for (ranks, threads), fit in sorted(fits.items()):
         layer = fit["layer"]
         extras = fit.get("parallel_layers", {})
@@ -621,7 +642,8 @@ def probe_table(fits: dict) -> str:
         lines.append(f"| {ranks} x {threads} | {layer['flops_s'] / 1e9:.2f} | {layer['fixed_fwd_s'] * 1e3:.2f} | "
                      f"{layer['fixed_bwd_s'] * 1e3:.2f} | {layer['rest_fwd_s'] * 1e3:.2f} | "
                      f"{layer['rest_bwd_s'] * 1e3:.2f} | {fit['train_step']['micro_batch_s'] * 1e3:.2f} | "
-                     f"{fit['train_step']['step_s'] * 1e3:.2f} | " + " | ".join(cells)
+                     f"{fit['train_step']['step_s'] * 1e3:.2f} | {fit['train_step']['layer_s'] * 1e3:.2f} | "
+                     + " | ".join(cells)
                      + f" | {fit['copy_bytes_s'] / GB:.1f} |")
     return "\n".join(lines)
 

@@ -301,6 +301,13 @@ def test_the_optimizer_updates_its_shard_of_the_parameters():
     assert seconds["dp2"] == pytest.approx(TINY.total_params / 2 * 28 / 1e12)
     assert seconds["ep2"] == pytest.approx((dense / 2 + experts / 2) * 28 / 1e12)
     assert seconds["dp2_plain"] == pytest.approx(TINY.total_params * 28 / 1e12)
+    # 5 ms a decoder layer of the stage, whatever the DP
+    per_layer = replace(FIXED, optimizer_layer=5e-3)
+    extra = {name: step_time.optimizer_update_seconds(TINY, Layout("x", train=train, cluster=two), 0, per_layer)
+             - step_time.optimizer_update_seconds(TINY, Layout("x", train=train, cluster=two), 0, FIXED)
+             for name, train in (("dp2", TrainParallel()), ("dp2_plain", TrainParallel(use_distributed_optimizer=False)),
+                                 ("pp2", TrainParallel(pp=2)), ("tp2", TrainParallel(tp=2, sequence_parallel=True)))}
+    assert extra == pytest.approx({"dp2": 4 * 5e-3, "dp2_plain": 4 * 5e-3, "pp2": 2 * 5e-3, "tp2": 4 * 5e-3})
 
 
 def test_a_probes_sheet_gives_its_fixed_costs(tmp_path):
@@ -432,18 +439,19 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     # the rest of the model: 1 ms forward, 1.5 ms backward beyond the output layer's FLOPs
     layers = [{"flops": f, "fwd_s": 2e-3 + f / 4e9, "bwd_s": 3e-3 + 2 * f / 4e9, "logits_flops": f / 10,
                "rest_fwd_s": 1e-3 + f / 10 / 4e9, "rest_bwd_s": 1.5e-3 + 2 * f / 10 / 4e9} for f in (1e6, 1e7, 5e7)]
-    # the actor's train step on 2 ranks: a bare micro-batch 20 ms; the schedule and the loss add 1 ms a
-    # micro-batch; a step adds 7 ms + its half of the parameters' 28 Adam bytes at the copy rate + the
-    # reduce-scatter of the gradients and the all-gather of the parameters (fp32) at the gloo fit
-    def step(n: float, micro_batches: int) -> float:
-        return 7e-3 + n / 2 * 28 / 5e9 + 2 * (800e-6 + n / 2 * 4 / 0.5e9) + micro_batches * (20e-3 + 1e-3)
+    # the actor's train step on 2 ranks (DP2): the schedule and the loss add 1 ms a micro-batch; a step
+    # adds 7 ms + 3 ms a layer + its half of the parameters' 28 Adam bytes at the copy rate + the reduce-scatter of the gradients and the
+    # all-gather of the parameters (fp32) at the gloo fit; the optimizer step alone, 2 ms + 3 ms a layer
+    def fixed(n: float, layers: int) -> float:
+        return 7e-3 + 3e-3 * layers + n / 2 * 28 / 5e9 + 2 * (800e-6 + n / 2 * 4 / 0.5e9)
 
-    steps = [{"params": n, "ranks": 2, "bare_s": 20e-3, "step1_s": step(n, 1), "step2_s": step(n, 2)} for n in (1e5, 3e5)]
+    steps = [{"params": n, "ranks": 2, "layers": layers, "micro_batch_s": 1e-3, "fixed_s": fixed(n, layers),
+              "optimizer_s": 2e-3 + 3e-3 * layers} for layers, n in ((1, 1e5), (2, 3e5))]
     fit = probe.summarise_probe([{"collectives": collectives, "layers": layers, "steps": steps, "copy_bytes_s": 5e9}])
     assert fit["collectives"] == pytest.approx({"latency_s": 800e-6, "bytes_s": 0.5e9})
     assert fit["layer"] == pytest.approx({"fixed_fwd_s": 2e-3, "fixed_bwd_s": 3e-3, "flops_s": 4e9,
                                           "rest_fwd_s": 1e-3, "rest_bwd_s": 1.5e-3})
-    assert fit["train_step"] == pytest.approx({"micro_batch_s": 1e-3, "step_s": 7e-3})
+    assert fit["train_step"] == pytest.approx({"micro_batch_s": 1e-3, "layer_s": 3e-3, "step_s": 7e-3})
     fit.update(ranks=2, when="now")
     path = tmp_path / "cpu.yaml"
     path.write_text(probe.sheet(2, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
@@ -452,8 +460,8 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     r = Rates.of(hw, Assumptions())  # the MFU leaves a measured rate alone
     # the latency per ring step: the probe's 2 ranks are one; a training micro-batch's rest adds the train step's 1 ms
     assert (r.flops, r.intra, r.latency, r.layer_forward, r.layer_backward, r.micro_batch_forward,
-            r.micro_batch_backward, r.optimizer_step) == pytest.approx((4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 2.5e-3,
-                                                                         7e-3))
+            r.micro_batch_backward, r.optimizer_step, r.optimizer_layer) == pytest.approx(
+        (4e9, 0.5e9, 800e-6, 2e-3, 3e-3, 1e-3, 2.5e-3, 7e-3, 3e-3))
     fit.update(ranks=4)  # without the TP pairs' calls, the 4-rank fit's intercept spans three ring steps
     path.write_text(probe.sheet(4, 1, fit, fit, "python bench/plan_calibrate.py probe", "now"))
     assert Rates.of(load_hardware(str(path)), Assumptions()).latency == pytest.approx(800e-6 / 3, rel=1e-3)

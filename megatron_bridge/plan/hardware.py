@@ -55,6 +55,10 @@ class Overheads:
     # one optimizer step beyond its Adam bytes at the memory rate and its parameter all-gather (the
     # gradient norm, the clip, Python over the parameter groups)
     optimizer_step_us: float = 0.0
+    # a decoder layer's share of an optimizer step beyond its Adam bytes (work tensor by tensor: the
+    # update and the gradient norm loop over the parameters where no fused kernel takes them all);
+    # measured at the probe's DP, taken for any
+    optimizer_layer_us: float = 0.0
     # the ranks measured share the cores, at least two a core: a rank that waits (a pipeline stage in
     # the bubble) leaves its core to the others (step_time.bubble_seconds)
     ranks_share_cores: bool = False
@@ -151,6 +155,7 @@ class Rates:
     micro_batch_forward: float = 0.0  # seconds per micro-batch outside the layers, forward (Overheads)
     micro_batch_backward: float = 0.0  # the same, backward
     optimizer_step: float = 0.0  # seconds per optimizer step beyond its bytes (Overheads)
+    optimizer_layer: float = 0.0  # seconds per decoder layer of the stage and optimizer step (Overheads)
     ranks_share_cores: bool = False  # (Overheads)
 
     @classmethod
@@ -182,4 +187,5 @@ class Rates:
                    ep_layer_forward=fixed.ep_layer_forward_us * 1e-6, ep_layer_backward=fixed.ep_layer_backward_us * 1e-6,
                    micro_batch_forward=fixed.micro_batch_forward_us * 1e-6,
                    micro_batch_backward=fixed.micro_batch_backward_us * 1e-6,
-                   optimizer_step=fixed.optimizer_step_us * 1e-6, ranks_share_cores=fixed.ranks_share_cores)
+                   optimizer_step=fixed.optimizer_step_us * 1e-6,
+                   optimizer_layer=fixed.optimizer_layer_us * 1e-6, ranks_share_cores=fixed.ranks_share_cores)

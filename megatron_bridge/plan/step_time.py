@@ -30,7 +30,8 @@ one bucket; where the sheet's ranks share the cores, at least two a core, no pip
 collectives, smaller GEMMs' lower rate; measured at TP2 and EP2, taken for any degree), and the rest of the model's (embedding,
 output layer, log-probs, and in training the schedule's and the policy loss's; counted on the last
 stage), and an optimizer step's beyond its Adam bytes (the gradient norm with its all-reduce, the
-clip, the step's metric sums). The optimizer's update counts its Adam bytes at the memory rate
+clip, the step's metric sums) and per decoder layer of the stage (the update's and the norm's work
+tensor by tensor). The optimizer's update counts its Adam bytes at the memory rate
 (``optimizer_update_seconds``). Not counted: the offload to and from the host, expert load
 imbalance, and on a sheet without the TP and EP layer figures (every NPU and GPU sheet) what TP and
 EP add to a layer beyond their collectives.
@@ -339,11 +340,13 @@ ADAM_BYTES = 7 * 4
 def optimizer_update_seconds(spec: ModelSpec, layout: Layout, pp_rank: int, rates: Rates) -> float:
     """One optimizer step's update on one device of stage ``pp_rank``: Adam over its shard at the
     memory rate (the distributed optimizer's shard: 1/(DP*CP) of the dense parameters, 1/EDP of the
-    experts'), plus the sheet's fixed cost (``Overheads.optimizer_step_us``)."""
+    experts'), plus the sheet's fixed costs: per step (``Overheads.optimizer_step_us``) and per
+    decoder layer of the stage (``optimizer_layer_us``: measured at one DP, taken for any)."""
     t, g = layout.train, Groups.of(layout)
     params = stage_params(spec, t, pp_rank)
     shard = sum(p.numel / ((g.edp if p.expert else g.dp).size if t.use_distributed_optimizer else 1) for p in params)
-    return rates.optimizer_step + shard * ADAM_BYTES / rates.hbm
+    layers = layers_per_stage(spec.num_layers, t)[pp_rank]
+    return rates.optimizer_step + layers * rates.optimizer_layer + shard * ADAM_BYTES / rates.hbm
 
 
 def weight_sync_bytes(spec: ModelSpec, layout: Layout) -> tuple[float, int]:
