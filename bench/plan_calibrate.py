@@ -422,8 +422,8 @@ def fit_train_step(points: list[dict], copy_bytes_s: float, collectives: dict[st
     per micro-batch (megatron's schedule, the policy loss beyond the log-probs: a second micro-batch
     less its bare pass); per decoder layer and step (the optimizer step's work tensor by tensor:
     megatron's Adam and gradient norm on CPU loop over the parameters; the 2-layer model's optimizer
-    step less the 1-layer one's, at the probe's DP, taken for any: a DP2 rank's took no less than a
-    DP1 rank's in the probes); and per step (the count and metric all-reduces, the clip, Python: the
+    step less the 1-layer one's, at the probe's DP, taken for any: a DP2 rank's came out at 2.4-6.7 ms
+    a layer here against a DP1 rank's 3.6-4.3, no steady saving from the smaller shard); and per step (the count and metric all-reduces, the clip, Python: the
     one-micro-batch step less its micro-batch, its layers' share, its shard's Adam bytes at the copy
     rate and its gradient reduce-scatter and parameter all-gather, fp32, at the probe's back-to-back
     gloo fit, which the planner counts as terms of their own); medians over the points."""

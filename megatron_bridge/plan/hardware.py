@@ -52,8 +52,8 @@ class Overheads:
     tp_layer_backward_us: float = 0.0
     ep_layer_forward_us: float = 0.0
     ep_layer_backward_us: float = 0.0
-    # one optimizer step beyond its Adam bytes at the memory rate and its parameter all-gather (the
-    # gradient norm, the clip, Python over the parameter groups)
+    # one optimizer step beyond its Adam bytes at the memory rate, its parameter all-gather and its
+    # layers' share below (the clip, Python over the parameter groups, the metric sums)
     optimizer_step_us: float = 0.0
     # a decoder layer's share of an optimizer step beyond its Adam bytes (work tensor by tensor: the
     # update and the gradient norm loop over the parameters where no fused kernel takes them all);
