@@ -619,6 +619,12 @@ def describe_fit(fit: dict) -> str:
     return words
 
 
+def _op_fit(fit: dict[str, float]) -> str:
+    if fit["bytes_s"] == float("inf"):  # the noise outweighed the bytes: the time did not grow with them
+        return f"{fit['latency_s'] * 1e6:,.0f} us, no growth with the bytes"
+    return f"{fit['latency_s'] * 1e6:,.0f} us + bytes / {fit['bytes_s'] / GB:.2f} GB/s"
+
+
 def probe_table(fits: dict) -> str:
     lines = ["| ranks x threads | layer rate (GFLOP/s) | layer fixed fwd (ms) | layer fixed bwd (ms) | "
              "rest of the model fwd (ms) | rest bwd (ms) | train step per micro-batch (ms) | train step fixed (ms) | "
@@ -635,8 +641,7 @@ def probe_table(fits: dict) -> str:
             c, by_op = fit["collectives"], fit["by_op"]
             cells += [f"{fit.get('in_layer_call_s', float('nan')) * 1e6:,.0f}", f"{c['latency_s'] * 1e6:,.0f}",
                      f"{c['bytes_s'] / GB:.2f}"] + [
-                f"{by_op[op]['latency_s'] * 1e6:,.0f} us + bytes / {by_op[op]['bytes_s'] / GB:.2f} GB/s"
-                if op in by_op else "—" for op in ("all_gather", "all_to_all")]
+                _op_fit(by_op[op]) if op in by_op else "—" for op in ("all_gather", "all_to_all")]
         else:
             cells += ["—"] * 5
         lines.append(f"| {ranks} x {threads} | {layer['flops_s'] / 1e9:.2f} | {layer['fixed_fwd_s'] * 1e3:.2f} | "

@@ -490,6 +490,16 @@ def test_the_probes_fits_recover_known_costs_and_write_a_sheet_the_planner_reads
     assert "| 1.00 / 5.00 | 0.50 / -1.00 |" in probe.probe_table({(4, 1): fit})
 
 
+def test_the_probe_table_says_when_a_collectives_time_did_not_grow_with_its_bytes():
+    from bench import plan_calibrate as probe
+
+    grows = probe.fit_collectives([{"through_bytes": b, "s": 800e-6 + b / 0.5e9} for b in (1e3, 1e6)])
+    assert probe._op_fit(grows) == "800 us + bytes / 0.50 GB/s"
+    # a busy machine: the larger call came out faster; no rate to show, the intercept is the latency
+    flat = probe.fit_collectives([{"through_bytes": 1e3, "s": 3.0e-3}, {"through_bytes": 1e6, "s": 2.9e-3}])
+    assert flat["bytes_s"] == float("inf") and probe._op_fit(flat) == "3,000 us, no growth with the bytes"
+
+
 def _parallel_layers_on_a_rank(rank: int, repeats: int) -> dict:
     from bench.plan_calibrate import _parallel_layers
 
