@@ -423,10 +423,11 @@ def fit_train_step(points: list[dict], copy_bytes_s: float, collectives: dict[st
     less its bare pass); per decoder layer and step (the optimizer step's work tensor by tensor:
     megatron's Adam and gradient norm on CPU loop over the parameters; the 2-layer model's optimizer
     step less the 1-layer one's, at the probe's DP, taken for any: a DP2 rank's came out at 2.4-6.7 ms
-    a layer here against a DP1 rank's 3.6-4.3, no steady saving from the smaller shard); and per step (the count and metric all-reduces, the clip, Python: the
-    one-micro-batch step less its micro-batch, its layers' share, its shard's Adam bytes at the copy
-    rate and its gradient reduce-scatter and parameter all-gather, fp32, at the probe's back-to-back
-    gloo fit, which the planner counts as terms of their own); medians over the points."""
+    a layer here against a DP1 rank's 3.6-4.3, no steady saving from the smaller shard); and per step
+    (the count and metric all-reduces, the clip, Python: the one-micro-batch step less its
+    micro-batch, its layers' share, its shard's Adam bytes at the copy rate and its gradient
+    reduce-scatter and parameter all-gather, fp32, at the probe's back-to-back gloo fit, which the
+    planner counts as terms of their own); medians over the points."""
     from megatron_bridge.plan.collectives import ring_bytes
     from megatron_bridge.plan.step_time import ADAM_BYTES
 
@@ -612,7 +613,7 @@ def describe_fit(fit: dict) -> str:
              f"copy {fit['copy_bytes_s'] / GB:.1f} GB/s")
     if "collectives" in fit:
         c = fit["collectives"]
-        words += (f"; gloo {c['latency_s'] * 1e6:.0f} us + bytes / {c['bytes_s'] / GB:.2f} GB/s back to back, "
+        words += (f"; gloo {_op_fit(c)} back to back, "
                   f"{fit.get('in_layer_call_s', float('nan')) * 1e6:.0f} us a call in a TP2 layer")
     for name, extra in fit.get("parallel_layers", {}).items():
         words += f"; a layer under {name.upper()}2 adds {extra['fwd_s'] * 1e3:.2f} / {extra['bwd_s'] * 1e3:.2f} ms"
