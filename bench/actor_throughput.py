@@ -397,7 +397,7 @@ def measure(rank: int, layout: str, checkpoint: str, shape: BatchShape, max_toke
         _add(out["log_prob_phases"], lp_phases)
         _add(out["train_phases"], tr_phases)
     out.update(loaded_rss_mib=loaded, peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads(),
-               kernels=actor.kernels.describe(),
+               kernels=what_ran(actor),
                peak_device_mib=torch.cuda.max_memory_allocated() / 2**20 if actor.device.type == "cuda" else None)
     if profile_dir:  # after the memory reading: the profiler's own records would count in it
         _torch_profile(update, Path(profile_dir, f"{layout}{'_tokens' if max_tokens else ''}_rank{rank}.txt"))
@@ -791,7 +791,7 @@ def measure_lengths(rank: int, layout: str, variant: str, checkpoint: str, seq_l
     counts = not on_device
     loaded = current_rss_mib()
     path = f"{progress}.rank{rank}.jsonl"
-    _append(path, {"kernels": actor.kernels.describe(), "packs": actor.packs, "threads": torch.get_num_threads(),
+    _append(path, {"kernels": what_ran(actor), "packs": actor.packs, "threads": torch.get_num_threads(),
                    "log_prob_chunk_size": v.loss_config().log_prob_chunk_size, "loaded_rss_mib": loaded,
                    "loaded_device_mib": torch.cuda.memory_allocated(actor.device) / 2**20 if on_device else None})
     for seq_len in seq_lens:
@@ -868,6 +868,11 @@ def run_variant(layout: str, name: str, checkpoint: str, args: argparse.Namespac
         else:  # after an OOM or a failure at a shorter length
             lengths.append({"seq_len": seq_len, "not_run": True})
     return {"layout": layout, "variant": name, "info": info, "lengths": lengths, "wall_s": time.perf_counter() - start}
+
+
+def what_ran(actor) -> str:
+    """The actor's compute paths and its optimizer, in words."""
+    return f"{actor.kernels.describe()}; optimizer: {actor.optimizer_path}"
 
 
 def predicted_peak_gib(spec: ModelSpec, layout: str, variant: Variant, seq_len: int, platform: str) -> float:
@@ -972,7 +977,7 @@ def _mib(mib: float | None, decimals: int = 0) -> str:
 
 def kernels_table(results: list[dict], device: bool, layouts: bool) -> str:
     lines = ["| " + ("layout | " if layouts else "") + "variant | what it switches "
-             "| what ran (`actor.kernels.describe()`) | micro-batches | log-prob chunk |"
+             "| what ran (`actor.kernels.describe()`, the optimizer) | micro-batches | log-prob chunk |"
              + (" device memory once loaded (GiB) |" if device else ""),
              "|---|" + ("---|" if layouts else "") + "---|---|---|--:|" + ("--:|" if device else "")]
     for result in results:

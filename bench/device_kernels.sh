@@ -10,10 +10,11 @@
 #
 # run writes into $OUT (default build/device/out): bench_device.md (a copy of docs/bench_device.md
 # with its generated block filled in: copy it back over the doc), sweep.md (the same block alone),
-# sweep.log (progress, one line per variant and length, and any traceback) and env.txt.
+# sweep.log (progress, one line per variant and length, and any traceback), env.txt, and
+# adam_step.md / adam_step.log (bench/adam_step.py: the optimizer step, fused against multi-tensor).
 # Settings, from the environment: PLATFORM (cuda), DTYPE (bf16), LAYERS (2), SEQ_LENS
 # ("2048 8192 16384 32768"), STEPS (3), VARIANTS (all six), RUN_TIMEOUT (seconds per variant, 80),
-# TOTAL_TIMEOUT (seconds for the whole sweep, 540). A fresh GPU machine has torch, transformers,
+# TOTAL_TIMEOUT (seconds for the whole sweep, 540), ADAM_TIMEOUT (seconds for the optimizer step, 180). A fresh GPU machine has torch, transformers,
 # safetensors and pyyaml but no package registry; megatron-core is pure Python and travels as the
 # tarball. The CPU path, to try the script before a GPU run:
 #   PLATFORM=cpu DTYPE=fp32 LAYERS=1 SEQ_LENS="128 256" STEPS=1 OUT=/tmp/kernels \
@@ -73,6 +74,21 @@ run() {
   if [ "$rc" -ne 0 ]; then
     echo "error: the sweep ended with exit status $rc (124: past TOTAL_TIMEOUT); what it measured is in $out/sweep.log" >&2
   fi
+  # The optimizer step alone, fused against multi-tensor, on the same model (--experts / --vocab
+  # given to run apply to it too) into adam_step.md: the block of docs/kernels.md's optimizer section.
+  local -a cut=()
+  local -a rest=("$@")
+  local i
+  for ((i = 0; i < ${#rest[@]}; i++)); do
+    case "${rest[i]}" in --experts | --vocab) cut+=("${rest[i]}" "${rest[i + 1]:-}") ;; esac
+  done
+  timeout "${ADAM_TIMEOUT:-180}" python bench/adam_step.py --platform "$platform" --model qwen3_30b_a3b \
+    --layers "${LAYERS:-2}" ${cut[@]+"${cut[@]}"} >"$out/adam_step.md" 2> >(tee "$out/adam_step.log" >&2) || {
+    local adam_rc=$?
+    echo "error: bench/adam_step.py ended with exit status $adam_rc; see $out/adam_step.log" >&2
+    [ "$rc" -ne 0 ] || rc=$adam_rc
+  }
+  cat "$out/adam_step.md"
   return "$rc"
 }
 

@@ -80,7 +80,19 @@ def _steps(rank, world_size, checkpoint, batches, train_kwargs, directory, save,
     torch.save([(n, r, c, t.clone()) for n, r, c, t in local_hf_slices(actor.chunks, spec)],
                f"{out_prefix}_gspo_rank{rank}.pt")
     return {**metrics, "max_grad": max_grad(actor), "steps": actor.steps, "restored": restored, "rng": rng,
-            "max_weight": max(float(p.abs().max()) for c in actor.chunks for p in c.parameters()), "blocked": blocked}
+            "max_weight": max(float(p.abs().max()) for c in actor.chunks for p in c.parameters()), "blocked": blocked,
+            "adam": _adam_steps(actor)}
+
+
+def _adam_steps(actor) -> list:
+    """What steps the optimizer, and Adam's step of every parameter as [device, dtype, value]: a
+    tensor of each parameter's own (torch's Adam increments each in place). Lists: they come back
+    from the ranks as JSON."""
+    from megatron_bridge.runtime.actor import _optimizers
+
+    steps = [s["step"] for o in _optimizers(actor.optimizer) for s in o.optimizer.state.values()]
+    assert len({id(t) for t in steps}) == len(steps), "parameters share one step tensor"
+    return [actor.optimizer_path, [list(s) for s in sorted({(t.device.type, str(t.dtype), float(t)) for t in steps})]]
 
 
 def _write(tmp_path_factory, layout):
@@ -110,8 +122,10 @@ def _assert_continues(written, results, weights):
     ref = reference[0]
     assert ref["actor/skipped"] == 0 and ref["steps"] == 2
     tolerance = _tolerances(written)
+    # torch's AdamW on its fused kernel (this CPU has one), each parameter's step restored and stepped to 2
+    assert ref["adam"] == ["torch AdamW (fused kernel)", [["cpu", "torch.float32", 2.0]]]
     for got in results:
-        assert got["steps"] == 2 and got["restored"] is False
+        assert got["steps"] == 2 and got["restored"] is False and got["adam"] == ref["adam"]
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/entropy", "actor/ppo_kl",
                     "actor/lr"):
             assert got[key] == pytest.approx(ref[key], rel=0, abs=tolerance[key]), key
@@ -498,3 +512,42 @@ def test_a_checkpoint_loads_where_torch_drops_megatrons_metadata(tmp_path):
     result = run_ranks(_save_and_load_with_a_writer_that_drops_mcore_data, 1, tmp_path, str(tmp_path))[0]
     assert "has no attribute 'mcore_data'" in result["dropped"]
     assert result["kept"] == [float(i) for i in range(12)]
+
+
+def test_torch_adam_steps_on_its_fused_kernel_where_the_device_has_one():
+    """megatron's fallback Adam (torch's AdamW) switched to the fused kernel after it was built, with
+    steps taken before: the same updates as an AdamW built fused, to rounding; each step a float32
+    tensor of its own. Devices without a fused kernel here (the NPU: MindSpeed's optimizer) and
+    other optimizers are left as they are."""
+    from megatron_bridge.runtime.megatron_compat import fuse_torch_adam
+    from megatron_bridge.runtime.kernels import optimizer_path
+
+    def run(switch_after: int | None, fused_from_start: bool = False) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=generator)) for n in (1000, 37, 4096)]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused_from_start or None)
+        for step in range(6):
+            if step == switch_after:
+                assert fuse_torch_adam(optimizer) and optimizer_path([optimizer]) == "torch AdamW (fused kernel)"
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimizer.step()
+        steps = [optimizer.state[p]["step"] for p in params]
+        assert [(float(t), t.dtype) for t in steps] == [(6.0, torch.float32)] * 3
+        assert len({id(t) for t in steps}) == 3
+        return [p.detach() for p in params]
+
+    fused, switched, unfused = run(None, fused_from_start=True), run(2), run(None)
+    # the kernel ran: its rounding differs from the multi-tensor path's in some weights
+    assert not all(torch.equal(b, c) for b, c in zip(switched, unfused))
+    for a, b, c in zip(fused, switched, unfused):
+        # the first two steps by the multi-tensor path, the rest fused: between the two (1 ulp a step)
+        torch.testing.assert_close(b, a, rtol=0, atol=6 * torch.finfo(torch.float32).eps * float(a.abs().max()))
+        torch.testing.assert_close(c, a, rtol=0, atol=6 * torch.finfo(torch.float32).eps * float(a.abs().max()))
+
+    unfused_optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    assert optimizer_path([unfused_optimizer]) == "torch AdamW (not fused)"
+    on_meta = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    assert not fuse_torch_adam(on_meta) and not on_meta.param_groups[0]["fused"]
+    assert not fuse_torch_adam(sgd) and not sgd.param_groups[0]["fused"]

@@ -362,3 +362,19 @@ def test_rollout_flags_refused_in_one_line(flags, says):
     out = _cli("check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3", *flags)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines()[-1] == f"python -m megatron_bridge.plan check: error: {says}"
+
+
+def test_the_optimizer_steps_temporaries_count_where_adam_is_not_known_to_run_fused():
+    """A multi-tensor Adam's sqrt of the whole shard (4 bytes a main parameter) after the activations
+    are freed: counted on the NPU, where MindSpeed picks the optimizer; none on CUDA and the CPU,
+    where the actor's Adam runs fused. At 1k tokens on one device it sets the NPU's peak."""
+    train = TrainParallel(recompute_granularity="full")
+    npu, cuda = (memory.estimate(Q30, Layout("x", train=train, cluster=Cluster(nnodes=1, devices_per_node=1,
+                                                                                 device=device)), 1024)
+                 for device in ("npu", "cuda"))
+    assert npu.optimizer_step == npu.static.main_params > 0 and cuda.optimizer_step == 0
+    working = cuda.activations + cuda.logits + cuda.routing
+    assert npu.static.main_params > working
+    assert npu.train_peak - cuda.train_peak == npu.static.main_params - working
+    assert "optimizer step (if above the 3 before)" in [name for name, _, _ in npu.terms]
+    assert "optimizer step (if above the 3 before)" not in [name for name, _, _ in cuda.terms]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from megatron_bridge.plan.layout import Layout, TrainParallel
 from megatron_bridge.plan.model_spec import ModelSpec
+from megatron_bridge.plan.platforms import PLATFORMS
 from megatron_bridge.plan.stages import layers_per_chunk
 
 GIB = 1024**3
@@ -429,10 +430,10 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
             rollout_share=int(r.gpu_memory_utilization * device) if device else None,
             rollout_weights=rollout_weight_bytes(spec, layout),
             resident_during_rollout=kept_during_rollout(static, t, ref), offload_host=offload_host_bytes(static, t, ref),
-            # torch's multi-tensor AdamW (megatron's Adam without TE or Apex) takes sqrt(exp_avg_sq)
-            # of the whole shard at once: 4 B per main parameter (7.0 GiB for 1.87 B on an H100,
-            # docs/kernels.md); an upper bound where a fused Adam runs
-            reference=ref, optimizer_step=static.main_params,
+            # a multi-tensor Adam (torch's foreach path) takes sqrt(exp_avg_sq) of the whole shard at
+            # once: 4 B per main parameter (7.0 GiB for 1.87 B on an H100, docs/kernels.md); a fused
+            # Adam makes none. On the NPU (MindSpeed's optimizer, unmeasured) an upper bound.
+            reference=ref, optimizer_step=0 if PLATFORMS[cl.device].fused_adam else static.main_params,
         ))
     worst = max(reports, key=lambda m: m.train_peak)
     if layout.separate_rollout:  # the engine's share of a rollout device, the same kind of device
@@ -446,6 +447,6 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: in
         ("activations" + (" (full recompute)" if t.recompute_granularity == "full" else ""), worst.activations, False),
         ("logits (bf16) + log-prob chunk (fp32)", worst.logits, False),
         ("routing ids (capture, replay)", worst.routing, False),
-        ("optimizer step (if above the 3 before)", worst.optimizer_step, False),
+        *([("optimizer step (if above the 3 before)", worst.optimizer_step, False)] if worst.optimizer_step else []),
     ]
     return worst

@@ -37,7 +37,8 @@ from megatron_bridge.runtime import context_parallel
 from megatron_bridge.runtime.optim import OptimConfig
 from megatron_bridge.plan.layout import TrainParallel
 from megatron_bridge.weights.load import LoadReport, load_hf_checkpoint
-from megatron_bridge.runtime.kernels import resolve
+from megatron_bridge.runtime.kernels import optimizer_path, resolve
+from megatron_bridge.runtime.megatron_compat import fuse_torch_adam
 from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 from megatron_bridge.runtime.offload import HostCopy, training_storages
 from megatron_bridge.plan.model_spec import ModelSpec
@@ -111,6 +112,7 @@ class MegatronActor:
                     buffer.grad_data.untyped_storage().resize_(0)
         self.dp_size = ps.get_data_parallel_world_size()
         self.optimizer = self.scheduler = None
+        self.optimizer_path = "none"  # what steps the optimizer, in words (build_optimizer)
         self.steps = 0
         self.host_copy = HostCopy(self.device)
         # entered around each micro-batch's model call, with the micro-batch and its padded length
@@ -144,6 +146,10 @@ class MegatronActor:
             ),
             self.chunks,
         )
+        inner = [o.optimizer for o in _optimizers(self.optimizer)]
+        for torch_optimizer in inner:
+            fuse_torch_adam(torch_optimizer)
+        self.optimizer_path = optimizer_path(inner)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps,
             # megatron requires decay steps > warmup steps even for a constant LR.

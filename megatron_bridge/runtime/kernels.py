@@ -13,6 +13,8 @@ held in ``TrainParallel``) resolved against what is installed.
   its ``SequentialMLP``, for comparisons.
 - Token permutation is fused only where a kernel exists (TE >= 2.1, MindSpeed); elsewhere the
   switch is reported as not applied.
+- The optimizer step: TE's or Apex's fused Adam where megatron finds one (MindSpeed's on the NPU),
+  otherwise torch's AdamW on its fused kernel (``megatron_compat.fuse_torch_adam``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ class KernelChoice:
         parts = [f"attention: {self.attention}", f"experts: {self.experts}",
                  f"token permutation: {'fused' if self.permute_fusion else 'unfused'}"]
         return "; ".join(parts + [f"not applied: {n}" for n in self.not_applied])
+
+
+def optimizer_path(optimizers: list) -> str:
+    """What steps the actor's optimizer, in words: the class of megatron's inner optimizers, and
+    whether torch's runs on its fused kernel."""
+    if not optimizers:
+        return "none"
+    kinds = {f"{type(o).__module__.split('.')[0]} {type(o).__name__}" for o in optimizers}
+    name = ", ".join(sorted(kinds))
+    if all(type(o).__module__.startswith("torch.optim") for o in optimizers):
+        fused = all(g.get("fused") for o in optimizers for g in o.param_groups)
+        name += " (fused kernel)" if fused else " (not fused)"
+    return name
 
 
 def transformer_engine_version() -> str | None:

@@ -3,7 +3,8 @@ every platform: the CPU path has neither, and a GPU install may lack both (on an
 every optimizer step failed before these covers, docs/bench_device.md). Each cover changes nothing
 where the installed packages already work: with TE, Apex or MindSpeed's fused optimizer and on
 torch 2.7 the original functions run unchanged. One more replaces a loop with one call for packed
-micro-batches (``_cover_packed_rope``), with the loop's numbers.
+micro-batches (``_cover_packed_rope``), with the loop's numbers; and ``fuse_torch_adam`` puts
+megatron's fallback Adam on torch's fused kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_bridge.atomic import replacing
+from megatron_bridge.plan.platforms import PLATFORMS
 
 _installed = False
 
@@ -87,6 +89,38 @@ def _torch_adam(optimizer) -> bool:
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
+# Where torch's Adam has a fused kernel this package steps with (the planner counts no temporaries there).
+FUSED_ADAM_DEVICES = tuple(name for name, platform in PLATFORMS.items() if platform.fused_adam)
+
+
+def fuse_torch_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Step megatron's fallback Adam (torch's, without TE or Apex) with torch's fused kernel where
+    every parameter's device has one, instead of megatron's default there, the multi-tensor path,
+    which makes whole-shard temporaries (sqrt of every second moment: 4 bytes per fp32 main
+    parameter) and many passes over the state. The same update to rounding (a few weights differ in
+    their last bit, bench/adam_step.py). Returns whether it did. The fused kernel keeps Adam's
+    ``step`` on the parameters' device: ``_adam_step`` below allocates and restores it there."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not (_torch_adam(optimizer) and params and all(p.device.type in FUSED_ADAM_DEVICES for p in params)):
+        return False
+    for group in [*optimizer.param_groups, optimizer.defaults]:
+        group["fused"], group["foreach"] = True, False
+    for group in optimizer.param_groups:  # steps made before (a state loaded by the multi-tensor path)
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "step" in state:
+                state["step"] = _adam_step(group, p, state["step"])
+    return True
+
+
+def _adam_step(group: dict, param: torch.Tensor, value) -> torch.Tensor:
+    """Adam's ``step`` for ``param`` as torch's Adam makes it: on the parameter's device for the
+    fused and capturable kernels, a host scalar otherwise; each parameter its own tensor."""
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.as_tensor(value).to(dtype=torch.float32, device=param.device if on_device else "cpu",
+                                     copy=True)
+
+
 def _cover_adam_state(optimizer_class) -> None:
     """The DistributedOptimizer's state dict with torch's Adam (``megatron_bridge.runtime.checkpoint``)."""
 
@@ -98,8 +132,9 @@ def _cover_adam_state(optimizer_class) -> None:
     def allocated_sharded_state_dict(self, *args, **kwargs):
         if _torch_adam(self.optimizer) and not self.optimizer.state:
             self.init_state_fn(self.optimizer, self.config)
-            for state in self.optimizer.state.values():
-                state["step"] = torch.tensor(0.0)
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    self.optimizer.state[p]["step"] = _adam_step(group, p, 0.0)
         return sharded_state_dict(self, *args, **kwargs)
 
     optimizer_class.sharded_state_dict = allocated_sharded_state_dict
@@ -122,7 +157,7 @@ def _cover_adam_state(optimizer_class) -> None:
     optimizer_class._set_main_param_and_optimizer_states = set_states_but_step
 
     # ... and restores it as one tensor shared by every parameter's state, which torch's Adam then
-    # increments in place once per parameter: give each state its own.
+    # increments in place once per parameter: give each state its own, where the kernel wants it.
     load_state_dict = optimizer_class.load_state_dict
 
     @functools.wraps(load_state_dict)
@@ -130,9 +165,11 @@ def _cover_adam_state(optimizer_class) -> None:
         load_state_dict(self, state_dict)
         if not _torch_adam(self.optimizer):
             return
-        for state in self.optimizer.state.values():
-            if "step" in state:
-                state["step"] = state["step"].clone()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if state and "step" in state:
+                    state["step"] = _adam_step(group, p, state["step"])
 
     optimizer_class.load_state_dict = load_state_dict_own_steps
 

@@ -50,13 +50,13 @@ class ActorWorker:
         spec = load_model_spec(model_dir)
         options = BuildOptions(params_dtype=s.dtype)
         self.actor = MegatronActor(spec, self.train, options, s.optim, platform, s.pack)
+        self.actor.load_hf(model_dir)
         if rank == 0:  # what computes, once per run (Ray shows a worker's stderr on the driver's)
             chunk = s.loss.log_prob_chunk_size
             print(f"actor on {platform}: {self.actor.kernels.describe()}; log-probs and entropy: "
                   f"{f'chunks of up to {chunk} tokens' if chunk else 'one chunk a micro-batch'}; micro-batches: "
-                  f"{'packed' if self.actor.packs else 'padded' + _why_padded(s.pack)}",
-                  file=sys.stderr, flush=True)
-        self.actor.load_hf(model_dir)
+                  f"{'packed' if self.actor.packs else 'padded' + _why_padded(s.pack)}; "
+                  f"optimizer: {self.actor.optimizer_path}", file=sys.stderr, flush=True)
         self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
         self.save_queue = None  # megatron's queue of background saves (actor.checkpoint.async_save)
         self.saving_to = ""  # the directory of the save in progress
