@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
     numel = sum(torch.Size(s).numel() for g in groups for s in g["shapes"])
     tensors = sum(len(g["shapes"]) for g in groups)
-    (first, a), (_, b) = runs.items()
+    a, b = runs.values()
     differ = sum(int((x != y).sum()) for x, y in zip(a["weights"], b["weights"]))
     largest = max(float((x - y).abs().max()) for x, y in zip(a["weights"], b["weights"]))
     magnitude = max(float(x.abs().max()) for x in a["weights"])

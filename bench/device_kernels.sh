@@ -14,9 +14,9 @@
 # adam_step.md / adam_step.log (bench/adam_step.py: the optimizer step, fused against multi-tensor).
 # Settings, from the environment: PLATFORM (cuda), DTYPE (bf16), LAYERS (2), SEQ_LENS
 # ("2048 8192 16384 32768"), STEPS (3), VARIANTS (all six), RUN_TIMEOUT (seconds per variant, 80),
-# TOTAL_TIMEOUT (seconds for the whole sweep, 540), ADAM_TIMEOUT (seconds for the optimizer step, 180). A fresh GPU machine has torch, transformers,
-# safetensors and pyyaml but no package registry; megatron-core is pure Python and travels as the
-# tarball. The CPU path, to try the script before a GPU run:
+# TOTAL_TIMEOUT (seconds for the whole sweep, 540), ADAM_TIMEOUT (seconds for the optimizer step,
+# 180). A fresh GPU machine has torch, transformers, safetensors and pyyaml but no package
+# registry; megatron-core is pure Python and travels as the tarball. The CPU path, to try the script before a GPU run:
 #   PLATFORM=cpu DTYPE=fp32 LAYERS=1 SEQ_LENS="128 256" STEPS=1 OUT=/tmp/kernels \
 #       bash bench/device_kernels.sh run --experts 8 --vocab 4096
 set -euo pipefail

@@ -105,11 +105,7 @@ def fuse_torch_adam(optimizer: torch.optim.Optimizer) -> bool:
         return False
     for group in [*optimizer.param_groups, optimizer.defaults]:
         group["fused"], group["foreach"] = True, False
-    for group in optimizer.param_groups:  # steps made before (a state loaded by the multi-tensor path)
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state and "step" in state:
-                state["step"] = _adam_step(group, p, state["step"])
+    _place_steps(optimizer)  # steps made before (a state loaded by the multi-tensor path)
     return True
 
 
@@ -119,6 +115,16 @@ def _adam_step(group: dict, param: torch.Tensor, value) -> torch.Tensor:
     on_device = group.get("fused") or group.get("capturable")
     return torch.as_tensor(value).to(dtype=torch.float32, device=param.device if on_device else "cpu",
                                      copy=True)
+
+
+def _place_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Every ``step`` the state holds made again by ``_adam_step``: its parameter's own, where the
+    group's kernel wants it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "step" in state:
+                state["step"] = _adam_step(group, p, state["step"])
 
 
 def _cover_adam_state(optimizer_class) -> None:
@@ -163,13 +169,8 @@ def _cover_adam_state(optimizer_class) -> None:
     @functools.wraps(load_state_dict)
     def load_state_dict_own_steps(self, state_dict):
         load_state_dict(self, state_dict)
-        if not _torch_adam(self.optimizer):
-            return
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p)
-                if state and "step" in state:
-                    state["step"] = _adam_step(group, p, state["step"])
+        if _torch_adam(self.optimizer):
+            _place_steps(self.optimizer)
 
     optimizer_class.load_state_dict = load_state_dict_own_steps
 
