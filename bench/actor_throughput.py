@@ -49,7 +49,9 @@ rest, no padding), each "fast path" variant (``VARIANTS``: flash attention, grou
 chunked log-probs, packing, each off alone, all off) in fresh processes that run the lengths in
 ascending order. It reports tok/s and MFU (``train_flops``) of the train step and the log-prob
 pass, peak memory per rank (the device's; on the CPU the host's RSS and the peak of tensor storage
-alive at once in one log-prob pass and one train step, ``bench.log_prob_memory.LiveBytes``) and
+alive at once in one log-prob pass and one train step, ``bench.log_prob_memory.LiveBytes``), on
+CUDA how often one train step and one log-prob pass made the host wait for the device
+(``host_syncs``, with the lines that asked), and
 the planner's predicted training peak (``megatron_bridge.plan.memory.estimate``) beside the
 measured one. An out-of-memory error is caught in the rank and reported as OOM; that variant then
 skips the longer lengths.
@@ -69,7 +71,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -736,6 +739,27 @@ def oom_words(error: BaseException) -> str:
     return f"allocating {found.group(1)}" if found else text.splitlines()[0][:120] if text else "out of memory"
 
 
+def host_syncs(fn: Callable[[], Any]) -> tuple[int, dict[str, int]]:
+    """How often ``fn`` made the host wait for the CUDA device (torch's synchronizing operations:
+    a value or size read back, a blocking copy, a stream's synchronize), counted by torch's sync
+    debug mode, and the Python lines that asked for them, most first."""
+    sites: Counter = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchronizing CUDA operation" in str(w.message):
+            name = w.filename  # this repository's files and the installed packages' by their own paths
+            for root in (f"{REPO}{os.sep}", f"site-packages{os.sep}"):
+                name = name.split(root, 1)[-1]
+            sites[f"{name}:{w.lineno}"] += 1
+    return sum(sites.values()), dict(sites.most_common())
+
+
 def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_share: float, steps: int,
                    count_tensors: bool) -> dict[str, Any]:
     """Log-prob pass then train step, ``steps`` times after a warm-up, on ``rows`` rows of exactly
@@ -743,7 +767,8 @@ def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_shar
     ``reset_peak_rss``); with ``count_tensors``, then one more of each, untimed, under ``LiveBytes``:
     the most bytes of tensor storage created in the pass alive at once (activations, logits,
     gradients in flight, collectives' buffers, the optimizer step's temporaries; not the weights,
-    gradient buffers and Adam moments, which exist before it)."""
+    gradient buffers and Adam moments, which exist before it). On CUDA, then one more of each,
+    untimed, under ``host_syncs``."""
     from bench.log_prob_memory import LiveBytes
     from loss.megatron_hook import log_prob_func, policy_loss_func
 
@@ -772,6 +797,10 @@ def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_shar
             with LiveBytes() as counter:
                 fn()
             out[key] = counter.peak / 2**20
+    if actor.device.type == "cuda":
+        for key, fn in (("log_prob", log_probs), ("train", update)):
+            torch.distributed.barrier()
+            out[f"{key}_syncs"], out[f"{key}_sync_sites"] = host_syncs(fn)
     return out
 
 
@@ -816,6 +845,10 @@ def measure_lengths(rank: int, layout: str, variant: str, checkpoint: str, seq_l
 # what a layout's ranks measured at one length: the slowest rank's time per step, the largest memory
 PER_RANK_MAX = ("peak_rss_mib", "rss_growth_mib", "device_before_mib", "peak_device_mib", "log_prob_tensor_peak_mib",
                 "train_tensor_peak_mib")
+
+
+# on CUDA, rank 0's count of host synchronisations in one log-prob pass and one train step, and their lines
+SYNCS = ("log_prob_syncs", "train_syncs", "log_prob_sync_sites", "train_sync_sites")
 
 
 def merge_ranks(ranks: list[dict]) -> dict[str, Any]:
@@ -920,7 +953,7 @@ def sweep_rows(results: list[dict], spec: ModelSpec, args: argparse.Namespace, p
                     train_mfu=flops / train_s / devices if devices else None,
                     log_prob_mfu=flops / 3 / log_prob_s / devices if devices else None,
                 )
-            row.update(status=status(r), **{key: r.get(key) for key in PER_RANK_MAX})
+            row.update(status=status(r), **{key: r.get(key) for key in PER_RANK_MAX + SYNCS})
             out.append(row)
     return out
 
@@ -946,7 +979,8 @@ def sweep_table(rows: list[dict], device: bool, mfu: bool, layouts: bool) -> str
     speed = ["train step tok/s", *(["train MFU"] if mfu else []), "log-prob tok/s", *(["log-prob MFU"] if mfu else []),
              "train step s", "log-prob s"]
     per = " / rank" if layouts else ""
-    memory = ([f"peak device memory{per} (GiB)", f"planner's train peak{per} (GiB)", "predicted / measured"] if device
+    memory = ([f"peak device memory{per} (GiB)", f"planner's train peak{per} (GiB)", "predicted / measured",
+               "host syncs: train / log-prob"] if device
               else [f"peak RSS{per} (MiB)", f"growth over the loaded model{per} (MiB)",
                     f"tensor peak{per}: log-prob pass (MiB)", f"tensor peak{per}: train step (MiB)"])
     cols = [*(["layout"] if layouts else []), "variant", "tokens / sequence", *speed, *memory]
@@ -961,8 +995,10 @@ def sweep_table(rows: list[dict], device: bool, mfu: bool, layouts: bool) -> str
             cells = [r["status"] if ran else "—"] + ["—"] * (len(speed) - 1)
         if device:  # an OOM's peak is what it reached before it failed
             measured = r["peak_device_mib"] if r["status"] is None else None
+            syncs = (r.get("train_syncs"), r.get("log_prob_syncs"))
             cells += [_gib(r["peak_device_mib"] if ran else None), f"{r['predicted_gib']:,.1f}",
-                      f"{r['predicted_gib'] * 1024 / measured:.2f}" if measured else "—"]
+                      f"{r['predicted_gib'] * 1024 / measured:.2f}" if measured else "—",
+                      f"{syncs[0]} / {syncs[1]}" if None not in syncs else "—"]
         else:
             cells += [_mib(r[key] if ran else None) for key in ("peak_rss_mib", "rss_growth_mib")]
             cells += [_mib(r[key] if ran else None, 1) for key in ("log_prob_tensor_peak_mib", "train_tensor_peak_mib")]
@@ -1037,6 +1073,10 @@ def sweep_report(results: list[dict], rows: list[dict], command: str, spec: Mode
                      + ("the layout" if layouts else "one-device layout")
                      + " with the variant's switches, s, micro_batch_size=1).train_peak` (bf16 weights, fp32 grads "
                      "and Adam, and the larger of the activations with the logits and the optimizer step's temporaries)")
+        facts.append("- host syncs: after the timed steps, one more train step and log-prob pass under torch's sync "
+                     "debug mode (`torch.cuda.set_sync_debug_mode(\"warn\")`), rank 0's: how often the host waited "
+                     "for the device (a value or size read back, a blocking copy, a stream's synchronize), each wait "
+                     "a gap in the device's queue")
     else:
         facts.append("- peak RSS: the process's VmHWM over the length's timed steps (reset before each length through "
                      "/proc/self/clear_refs); growth: that minus the RSS right after the model was loaded "
@@ -1059,7 +1099,19 @@ def sweep_report(results: list[dict], rows: list[dict], command: str, spec: Mode
         "What ran in each variant:",
         "",
         kernels_table(results, device, layouts),
+        *sync_sites(rows),
     ])
+
+
+def sync_sites(rows: list[dict]) -> list[str]:
+    """Where the train step of the last row with a sync count made the host wait, as report lines."""
+    counted = [r for r in rows if r.get("train_sync_sites")]
+    if not counted:
+        return []
+    r = counted[-1]
+    return ["", f"Where the train step made the host wait ({r['variant']}, {r['seq_len']:,} tokens; waits, the "
+                "Python line that asked):", "",
+            *(f"- {n} x `{site}`" for site, n in r["train_sync_sites"].items())]
 
 
 def sweep_main(args: argparse.Namespace, argv: list[str] | None) -> int:

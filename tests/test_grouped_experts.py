@@ -104,6 +104,40 @@ def test_grouped_mm_equals_the_loop_on_a_gpu(monkeypatch):
     _assert_close(grouped, _linear(x, weight, counts, grad, True, monkeypatch), x, weight, grad, counts, torch.bfloat16)
 
 
+def test_offsets_given_once_are_the_counts_cumulative_sums(monkeypatch):
+    """The experts' forward makes the group offsets once (``expert_offsets``, int32 on the rows'
+    device) and hands them to both products: the same numbers as offsets made from the counts."""
+    counts = [5, 0, 3, 8]
+    offsets = experts.expert_offsets(torch.tensor(counts), torch.device("cpu"))
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [5, 5, 8, 16]
+    x, weight, _ = _inputs(counts, torch.float32)
+    calls = _grouped_mm_calls(monkeypatch)
+    assert torch.equal(experts.grouped_linear(x, weight, counts, offsets), experts.grouped_linear(x, weight, counts))
+    assert len(calls) == 2
+
+
+@pytest.mark.gpu
+def test_offsets_reach_the_gpu_without_a_host_synchronisation(monkeypatch):
+    """The counts arrive in host memory (megatron's dispatchers move them there); their offsets go up
+    from pinned memory without making the host wait, and both grouped products and their backward
+    run without a wait either (torch's sync debug mode raises on any)."""
+    counts = [5, 0, 3, 8]
+    x, weight, grad = (t.cuda() for t in _inputs(counts, torch.bfloat16))
+    x, weight = x.requires_grad_(), weight.requires_grad_()
+    assert experts._grouped_mm_runs(x.device, x.dtype)  # its one-off probe, before the waits are refused
+    calls = _grouped_mm_calls(monkeypatch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        offsets = experts.expert_offsets(torch.tensor(counts), x.device)
+        out = experts.grouped_linear(x, weight, counts, offsets)
+        out.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert calls and offsets.device == x.device and offsets.tolist() == [5, 5, 8, 16]
+    torch.testing.assert_close(out, experts.grouped_linear(x.detach(), weight.detach(), counts))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_tokens_give_an_empty_output_and_zero_weight_gradients(monkeypatch, dtype):
     x, weight, grad = _inputs([0, 0, 0], dtype)

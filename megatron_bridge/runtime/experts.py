@@ -85,12 +85,26 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+def expert_offsets(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The groups' end rows (cumulative counts, int32) on ``device`` for ``torch._grouped_mm``.
+    megatron's dispatchers hand the counts over in host memory; a plain copy up to a CUDA device
+    makes the host wait for everything queued before it, so the copy goes from pinned memory,
+    asynchronously (torch keeps the pinned buffer until the copy is done)."""
+    offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+    if device.type == "cuda" and offsets.device.type == "cpu":
+        return offsets.pin_memory().to(device, non_blocking=True)
+    return offsets.to(device)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int],
+                   offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``x`` [T, K] in groups of ``tokens_per_expert`` (one per expert, in order), each
-    times its expert's ``weight[e]`` [N, K] transposed: [T, N]."""
+    times its expert's ``weight[e]`` [N, K] transposed: [T, N]. ``offsets``: the counts'
+    ``expert_offsets`` on x's device, when the caller has them already."""
     aligned = all((n * weight.element_size()) % 16 == 0 for n in weight.shape[1:])
     if x.shape[0] and aligned and _grouped_mm_runs(x.device, x.dtype):
-        offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+        if offsets is None:
+            offsets = expert_offsets(torch.tensor(tokens_per_expert), x.device)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
     if not x.shape[0]:  # no tokens: an empty product that still gives every weight a (zero) gradient
         return x @ weight.sum(0).t()
@@ -127,11 +141,12 @@ class GroupedExperts(MegatronModule):
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         counts = tokens_per_expert.tolist()
-        fc1 = grouped_linear(hidden, self.fc1_weight, counts)
+        offsets = expert_offsets(tokens_per_expert, hidden.device)  # once for both products
+        fc1 = grouped_linear(hidden, self.fc1_weight, counts, offsets)
         gate, up = torch.chunk(fc1, 2, dim=-1)
         activated = self.config.activation_func(gate) * up
         activated = (activated * probs.unsqueeze(-1)).to(activated.dtype)
-        return grouped_linear(activated, self.fc2_weight, counts), None
+        return grouped_linear(activated, self.fc2_weight, counts, offsets), None
 
     @expert_dist_ckpt_decorator  # megatron's TP rank and size read as expert TP's while it runs
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:

@@ -3,8 +3,9 @@ every platform: the CPU path has neither, and a GPU install may lack both (on an
 every optimizer step failed before these covers, docs/bench_device.md). Each cover changes nothing
 where the installed packages already work: with TE, Apex or MindSpeed's fused optimizer and on
 torch 2.7 the original functions run unchanged. One more replaces a loop with one call for packed
-micro-batches (``_cover_packed_rope``), with the loop's numbers; and ``fuse_torch_adam`` puts
-megatron's fallback Adam on torch's fused kernel.
+micro-batches (``_cover_packed_rope``), with the loop's numbers; one finds the MoE token order
+without making the host wait for the device (``_cover_unfused_permute``), with the same order; and
+``fuse_torch_adam`` puts megatron's fallback Adam on torch's fused kernel.
 """
 
 from __future__ import annotations
@@ -201,7 +202,57 @@ def _cover_packed_rope() -> None:
     rope_utils._apply_rotary_pos_emb_thd = apply_thd
 
 
-def install() -> None:
+def _cover_unfused_permute() -> None:
+    """megatron-core 0.12.1's token permutation without TE's fused kernels finds each expert's tokens
+    with ``masked_select``, whose output size the host must read from the device before it can go
+    on: two host synchronisations per MoE layer and pass (the token and the probability order).
+    Where the dispatcher already knows on the host how many tokens are routed (dropless alltoall: the
+    tokens times top-k; allgather: a host count), the same order comes from a stable sort of the
+    routing map, experts in order and each expert's tokens ascending, cut at that count: nothing
+    waits. Every other path (TE's fused kernels, drop-and-pad, a count still on the device, another
+    library's replacement of the function) runs as it was."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = token_dispatcher.permute
+    if original is not moe_utils.permute:
+        return  # replaced already (MindSpeed's on the NPU): left to it
+
+    @functools.wraps(original)
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
+        routed = _host_count(num_out_tokens)
+        if fused or drop_and_pad or routed is None:
+            return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
+                            drop_and_pad=drop_and_pad)
+        sorted_indices, flat = routed_order(routing_map, routed)
+        permuted_probs = None if probs is None else probs.reshape(-1).index_select(0, flat)
+        return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+    token_dispatcher.permute = permute
+
+
+def _host_count(count) -> int | None:
+    """A token count the host holds (a Python int, or a one-element tensor in host memory); None
+    for one on the device or none at all."""
+    if isinstance(count, int):
+        return count
+    if isinstance(count, torch.Tensor) and count.device.type == "cpu" and count.numel() == 1:
+        return int(count)
+    return None
+
+
+def routed_order(routing_map: torch.Tensor, routed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed (token, expert) pairs of a [tokens, experts] boolean map in expert-major order, as
+    ``masked_select`` over the transposed map gives them, without reading anything back: the token
+    of each pair, and its position in the map flattened row-major (for the probabilities).
+    ``routed`` must be the map's number of True entries."""
+    tokens, experts = routing_map.shape
+    expert_major = routing_map.T.reshape(-1).to(torch.int8)
+    picked = expert_major.argsort(descending=True, stable=True)[:routed]  # True first, each in map order
+    token = picked % tokens
+    return token, token * experts + picked // tokens
+
+
+def install(platform_name: str) -> None:
     """Install the covers for this process (idempotent); after the platform's own adaptor."""
     global _installed
     if _installed:
@@ -215,4 +266,6 @@ def install() -> None:
     keep_mcore_data(_FileSystemWriter)
     _cover_adam_state(DistributedOptimizer)
     _cover_packed_rope()
+    if platform_name != "npu":  # the NPU permutes with MindSpeed's kernels, or megatron's own where they are off
+        _cover_unfused_permute()
     _installed = True

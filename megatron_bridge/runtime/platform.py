@@ -84,7 +84,7 @@ def activate(name: str | None = None) -> Platform:
         cpu_adaptor.install()
     from megatron_bridge.runtime import megatron_compat
 
-    megatron_compat.install()
+    megatron_compat.install(name)
     _active = PLATFORMS[name]
     return _active
 
