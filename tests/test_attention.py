@@ -1,7 +1,8 @@
 """The SDPA core attention (``megatron_bridge.runtime.attention``) computes what megatron's
 ``DotProductAttention`` computes, forward and backward, with grouped-query heads, in fp32 and bf16,
 and a packed micro-batch (``thd``) gives each sequence what it gets alone, its rotary positions
-restarting at each sequence (in one call, with megatron's loop's numbers). The whole model
+restarting at each sequence (in one call, with megatron's loop's numbers), without reading its
+longest sequence back from the device. The whole model
 with either attention is compared in tests/test_actor_update.py (the same update under every
 layout) and against transformers in tests/test_actor_parity.py."""
 
@@ -10,6 +11,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.numerics import rounding
+from tests.test_host_syncs import OpNames
 
 pytestmark = pytest.mark.numerics
 
@@ -82,12 +84,13 @@ def _packed(rank, world_size, dtype_name="float32"):
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     # megatron hands thd tensors over without the batch axis
-    together = attention(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=packed)
+    with OpNames() as ops:
+        together = attention(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=packed)
     alone = torch.cat([attention(q[a:b], k[a:b], v[a:b], None) for a, b in zip(bounds[:-1], bounds[1:])])
     mixed = attention(q, k, v, None)  # one causal sequence: the later ones would see the earlier
     return {"shape": list(together.shape), "diff": float((together - alone).abs().max()),
             "max_abs": float(alone.abs().max()), "diff_unpacked": float((together - mixed).abs().max()),
-            "longest": max(lengths)}
+            "longest": max(lengths), "values_read_back": sorted(ops.names & {"_local_scalar_dense"})}
 
 
 @pytest.mark.parametrize("dtype,platform", [("float32", "cpu"), pytest.param("bfloat16", "cuda", marks=pytest.mark.gpu)])
@@ -100,6 +103,8 @@ def test_packed_sequences_attend_only_within_themselves(tmp_path, dtype, platfor
     assert result["diff"] <= rounding(result["max_abs"], result["longest"] + HEAD_DIM, getattr(torch, dtype))
     # ... and not as one sequence, where the later ones would see the earlier
     assert result["diff_unpacked"] > 0.1
+    # the longest sequence comes from the parameters, not read off the device in every layer
+    assert result["values_read_back"] == []
 
 
 def _packed_rope(rank, world_size):

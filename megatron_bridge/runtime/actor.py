@@ -307,10 +307,11 @@ class MegatronActor:
                                "weights with load_hf() first")
         micro_batches = self.micro_batches(batch, micro_batch_size, max_tokens)
         mask = batch[RESPONSE_MASK].bool()
-        counts = torch.tensor([mask.sum(), mask.any(dim=1).sum()], dtype=torch.long, device=self.device)
+        counts = torch.stack([mask.sum(), mask.any(dim=1).sum()]).to(self.device, torch.long)
         torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
-        norm = MiniBatchNorm(dp_size=self.dp_size, num_microbatches=len(micro_batches), batch_num_tokens=int(counts[0]),
-                             global_batch_size=int(counts[1]))
+        tokens, rows = counts.tolist()  # one read-back for both
+        norm = MiniBatchNorm(dp_size=self.dp_size, num_microbatches=len(micro_batches), batch_num_tokens=tokens,
+                             global_batch_size=rows)
 
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -321,7 +322,7 @@ class MegatronActor:
         # One all-reduce for all metrics: each is a sum over DP ranks.
         values = torch.stack(list(metrics.values())) if metrics else torch.zeros(0, device=self.device)
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
-        result = {k: float(v) for k, v in zip(metrics, values)}
+        result = dict(zip(metrics, values.tolist()))  # one read-back for all (a float() each waited each time)
         result.update(self.optimizer_step(loss_finite=all(math.isfinite(v) for v in result.values())))
         return result
 

@@ -123,7 +123,9 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"SDPAttention packs sequences in the thd format, got {packed.qkv_format!r}")
         bounds = packed.cu_seqlens_q
         lengths = bounds[1:] - bounds[:-1]
-        longest = int(lengths.max())
+        # the actor's micro-batch carries it on the host: reading it off the device in every layer
+        # would make the host wait there for the device
+        longest = packed.max_seqlen_q if packed.max_seqlen_q is not None else int(lengths.max())
         varlen = _varlen_attention()
         if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not (
                 self.training and self.dropout):

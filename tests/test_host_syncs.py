@@ -1,16 +1,25 @@
-"""The MoE token permutation without host synchronisation (``megatron_compat._cover_unfused_permute``):
-megatron-core 0.12.1's unfused ``permute`` finds each expert's tokens with ``masked_select``, which
-makes the host wait for the device; the cover sorts the routing map instead. The same tokens,
-probabilities and order, forward and backward, and no operation whose output size depends on the
-data."""
+"""Where the actor makes the host wait for the device. On the CPU nothing waits, but the
+operations that would are visible: a value read back (``_local_scalar_dense``: ``.item()``,
+``float()``, ``bool()``) and a result whose size depends on the data (``nonzero``,
+``masked_select``). The MoE token permutation (``megatron_compat._cover_unfused_permute``) gives
+megatron-core 0.12.1's order without ``masked_select``: the same tokens, probabilities and order,
+forward and backward; and no layer of the model reads anything back, so a deeper model waits no
+more often than a shallow one (the alltoall dispatcher's one copy of its counts to the host per
+layer is a copy, invisible on the CPU). ``gpu``-marked: the same under torch's sync debug mode."""
 
 from __future__ import annotations
+
+import traceback
+from collections import Counter
+from functools import partial
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_bridge.runtime import megatron_compat
+from megatron_bridge.tiny_model import save_tiny_checkpoint
+from tests.distributed import run_ranks
 
 # operations whose output size or value the host must read from the device before it can go on
 DATA_DEPENDENT = {"masked_select", "nonzero", "_local_scalar_dense", "unique", "_unique2"}
@@ -28,14 +37,21 @@ def permutes():
 
 
 class OpNames(TorchDispatchMode):
-    """The names of the aten operations run inside it."""
+    """The names of the aten operations run inside it; ``waits``: each data-dependent one by the
+    line outside torch that asked for it."""
 
     def __init__(self):
         super().__init__()
         self.names: set[str] = set()
+        self.waits: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.overloadpacket.__name__)
+        name = func.overloadpacket.__name__
+        self.names.add(name)
+        if name in DATA_DEPENDENT:
+            frame = [f for f in traceback.extract_stack()[:-1]
+                     if not any(part in f.filename for part in ("/torch/", "cpu_adaptor", "test_host_syncs"))][-1]
+            self.waits[f"{name} at {frame.filename.split('site-packages/')[-1]}:{frame.lineno}"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -120,3 +136,51 @@ def test_the_permutation_does_not_synchronise_on_a_gpu(permutes):
         torch.cuda.set_sync_debug_mode("default")
     want = megatrons(hidden.detach(), routed, probs=probs.detach(), num_out_tokens=4096 * 8)
     assert torch.equal(out, want[0]) and torch.equal(out_probs.detach(), want[1])
+
+
+def _step_waits(rank, world_size, checkpoint, pack):
+    """One train step and one log-prob pass of the actor with the alltoall dispatcher (the one an
+    accelerator runs), packed or padded, after a step that warms it up: the data-dependent
+    operations of each."""
+    from loss.megatron_hook import log_prob_func, policy_loss_func
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.optim import OptimConfig
+    from tests.test_actor_update import LOSSES, make_batch
+
+    initialize_parallel(TrainParallel())
+    actor = MegatronActor(load_model_spec(checkpoint), TrainParallel(),
+                          BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), OptimConfig(lr=1e-3), "cpu",
+                          pack=pack)
+    actor.load_hf(checkpoint)
+    batch = make_batch(checkpoint)
+    train = partial(actor.train_step, batch, 4, partial(policy_loss_func, LOSSES["gspo"]))
+    log_probs = partial(actor.forward_only, batch, 4, partial(log_prob_func, 1.0, False))
+    train()
+    out = {}
+    for name, run in (("train", train), ("log_prob", log_probs)):
+        with OpNames() as ops:
+            run()
+        out[name] = dict(ops.waits)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_a_deeper_model_waits_no_more_often(tmp_path, pack):
+    """Two and six layers, the same batch in two micro-batches: the same read-backs, none of them in
+    a layer (before, each MoE layer's permutation ran masked_select and each packed attention read
+    its longest sequence back)."""
+    waits = []
+    for layers in (2, 6):
+        (tmp_path / str(layers)).mkdir()
+        checkpoint = save_tiny_checkpoint(tmp_path / f"hf{layers}", seed=1, num_hidden_layers=layers)
+        waits += run_ranks(_step_waits, 1, tmp_path / str(layers), checkpoint, pack)
+    assert waits[0] == waits[1]
+    for name in ("train", "log_prob"):
+        assert not any("masked_select" in site or "/moe/" in site or "attention" in site for site in waits[0][name]), waits
+    # what is left is per step or micro-batch (the batch's sizes, the loss's token positions and checks,
+    # the gradient norm), and the census sees it
+    assert sum(waits[0]["train"].values()) > 0 and any("clip_grads" in site for site in waits[0]["train"])
