@@ -215,7 +215,7 @@ def _cover_unfused_permute() -> None:
 
     original = token_dispatcher.permute
     if original is not moe_utils.permute:
-        return  # replaced already (MindSpeed's on the NPU): left to it
+        return  # replaced already by another library: left to it
 
     @functools.wraps(original)
     def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
