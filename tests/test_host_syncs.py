@@ -184,3 +184,42 @@ def test_a_deeper_model_waits_no_more_often(tmp_path, pack):
     # what is left is per step or micro-batch (the batch's sizes, the loss's token positions and checks,
     # the gradient norm), and the census sees it
     assert sum(waits[0]["train"].values()) > 0 and any("clip_grads" in site for site in waits[0]["train"])
+
+
+def _gpu_step_syncs(rank, world_size, checkpoint):
+    """On CUDA (bf16, packed, the alltoall dispatcher): how often one train step and one log-prob
+    pass of the actor made the host wait, by torch's sync debug mode (``bench.actor_throughput``)."""
+    from bench.actor_throughput import host_syncs
+    from loss.megatron_hook import log_prob_func, policy_loss_func
+    from megatron_bridge.plan.layout import TrainParallel
+    from megatron_bridge.plan.model_spec import load_model_spec
+    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
+    from megatron_bridge.runtime.model import BuildOptions
+    from megatron_bridge.runtime.optim import OptimConfig
+    from tests.test_actor_update import LOSSES, make_batch
+
+    initialize_parallel(TrainParallel())
+    actor = MegatronActor(load_model_spec(checkpoint), TrainParallel(), BuildOptions(), OptimConfig(lr=1e-3), "cuda",
+                          pack=True)
+    actor.load_hf(checkpoint)
+    batch = make_batch(checkpoint)
+    train = partial(actor.train_step, batch, 4, partial(policy_loss_func, LOSSES["gspo"]))
+    log_probs = partial(actor.forward_only, batch, 4, partial(log_prob_func, 1.0, False))
+    train()
+    return {name: host_syncs(run) for name, run in (("train", train), ("log_prob", log_probs))}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_on_a_gpu_a_layer_waits_once_a_pass(tmp_path):
+    """What is left per layer on a GPU is the alltoall dispatcher's read-back of its counts
+    (megatron's), once per MoE layer and forward pass: with 4 layers more and two micro-batches, 8
+    waits more in the train step (backward runs no dispatcher) and 8 in the log-prob pass."""
+    syncs = []
+    for layers in (2, 6):
+        (tmp_path / str(layers)).mkdir()
+        checkpoint = save_tiny_checkpoint(tmp_path / f"hf{layers}", seed=1, num_hidden_layers=layers)
+        syncs += run_ranks(_gpu_step_syncs, 1, tmp_path / str(layers), checkpoint, platform_name="cuda")
+    for name in ("train", "log_prob"):
+        (shallow, _), (deep, _) = syncs[0][name], syncs[1][name]  # (waits, the lines that asked)
+        assert deep - shallow == 4 * 2, (name, syncs)
