@@ -138,29 +138,44 @@ def test_the_permutation_does_not_synchronise_on_a_gpu(permutes):
     assert torch.equal(out, want[0]) and torch.equal(out_probs.detach(), want[1])
 
 
-def _step_waits(rank, world_size, checkpoint, pack):
-    """One train step and one log-prob pass of the actor with the alltoall dispatcher (the one an
-    accelerator runs), packed or padded, after a step that warms it up: the data-dependent
-    operations of each."""
+def _step_runs(checkpoint: str, platform_name: str, options, pack: bool) -> dict:
+    """A tiny actor's train step and log-prob pass on one batch in two micro-batches, after a step
+    that warms it up."""
     from loss.megatron_hook import log_prob_func, policy_loss_func
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.plan.model_spec import load_model_spec
     from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
-    from megatron_bridge.runtime.model import BuildOptions
     from megatron_bridge.runtime.optim import OptimConfig
     from tests.test_actor_update import LOSSES, make_batch
 
     initialize_parallel(TrainParallel())
-    actor = MegatronActor(load_model_spec(checkpoint), TrainParallel(),
-                          BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), OptimConfig(lr=1e-3), "cpu",
+    actor = MegatronActor(load_model_spec(checkpoint), TrainParallel(), options, OptimConfig(lr=1e-3), platform_name,
                           pack=pack)
     actor.load_hf(checkpoint)
     batch = make_batch(checkpoint)
     train = partial(actor.train_step, batch, 4, partial(policy_loss_func, LOSSES["gspo"]))
-    log_probs = partial(actor.forward_only, batch, 4, partial(log_prob_func, 1.0, False))
     train()
+    return {"train": train, "log_prob": partial(actor.forward_only, batch, 4, partial(log_prob_func, 1.0, False))}
+
+
+def _by_depth(tmp_path, fn, *args, platform_name: str = "cpu") -> list:
+    """fn(rank, world_size, checkpoint, *args) on one rank for the tiny model with 2 and with 6 layers."""
+    out = []
+    for layers in (2, 6):
+        (tmp_path / str(layers)).mkdir()
+        checkpoint = save_tiny_checkpoint(tmp_path / f"hf{layers}", seed=1, num_hidden_layers=layers)
+        out += run_ranks(fn, 1, tmp_path / str(layers), checkpoint, *args, platform_name=platform_name)
+    return out
+
+
+def _step_waits(rank, world_size, checkpoint, pack):
+    """The data-dependent operations of the step and the pass on the CPU, with the alltoall
+    dispatcher (the one an accelerator runs), packed or padded."""
+    from megatron_bridge.runtime.model import BuildOptions
+
     out = {}
-    for name, run in (("train", train), ("log_prob", log_probs)):
+    for name, run in _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"),
+                                pack).items():
         with OpNames() as ops:
             run()
         out[name] = dict(ops.waits)
@@ -173,11 +188,7 @@ def test_a_deeper_model_waits_no_more_often(tmp_path, pack):
     """Two and six layers, the same batch in two micro-batches: the same read-backs, none of them in
     a layer (before, each MoE layer's permutation ran masked_select and each packed attention read
     its longest sequence back)."""
-    waits = []
-    for layers in (2, 6):
-        (tmp_path / str(layers)).mkdir()
-        checkpoint = save_tiny_checkpoint(tmp_path / f"hf{layers}", seed=1, num_hidden_layers=layers)
-        waits += run_ranks(_step_waits, 1, tmp_path / str(layers), checkpoint, pack)
+    waits = _by_depth(tmp_path, _step_waits, pack)
     assert waits[0] == waits[1]
     for name in ("train", "log_prob"):
         assert not any("masked_select" in site or "/moe/" in site or "attention" in site for site in waits[0][name]), waits
@@ -187,26 +198,12 @@ def test_a_deeper_model_waits_no_more_often(tmp_path, pack):
 
 
 def _gpu_step_syncs(rank, world_size, checkpoint):
-    """On CUDA (bf16, packed, the alltoall dispatcher): how often one train step and one log-prob
-    pass of the actor made the host wait, by torch's sync debug mode (``bench.actor_throughput``)."""
+    """On CUDA (bf16, packed, the alltoall dispatcher): how often the step and the pass made the host
+    wait, by torch's sync debug mode (``bench.actor_throughput.host_syncs``: waits, the lines)."""
     from bench.actor_throughput import host_syncs
-    from loss.megatron_hook import log_prob_func, policy_loss_func
-    from megatron_bridge.plan.layout import TrainParallel
-    from megatron_bridge.plan.model_spec import load_model_spec
-    from megatron_bridge.runtime.actor import MegatronActor, initialize_parallel
     from megatron_bridge.runtime.model import BuildOptions
-    from megatron_bridge.runtime.optim import OptimConfig
-    from tests.test_actor_update import LOSSES, make_batch
 
-    initialize_parallel(TrainParallel())
-    actor = MegatronActor(load_model_spec(checkpoint), TrainParallel(), BuildOptions(), OptimConfig(lr=1e-3), "cuda",
-                          pack=True)
-    actor.load_hf(checkpoint)
-    batch = make_batch(checkpoint)
-    train = partial(actor.train_step, batch, 4, partial(policy_loss_func, LOSSES["gspo"]))
-    log_probs = partial(actor.forward_only, batch, 4, partial(log_prob_func, 1.0, False))
-    train()
-    return {name: host_syncs(run) for name, run in (("train", train), ("log_prob", log_probs))}
+    return {name: host_syncs(run) for name, run in _step_runs(checkpoint, "cuda", BuildOptions(), True).items()}
 
 
 @pytest.mark.gpu
@@ -215,11 +212,7 @@ def test_on_a_gpu_a_layer_waits_once_a_pass(tmp_path):
     """What is left per layer on a GPU is the alltoall dispatcher's read-back of its counts
     (megatron's), once per MoE layer and forward pass: with 4 layers more and two micro-batches, 8
     waits more in the train step (backward runs no dispatcher) and 8 in the log-prob pass."""
-    syncs = []
-    for layers in (2, 6):
-        (tmp_path / str(layers)).mkdir()
-        checkpoint = save_tiny_checkpoint(tmp_path / f"hf{layers}", seed=1, num_hidden_layers=layers)
-        syncs += run_ranks(_gpu_step_syncs, 1, tmp_path / str(layers), checkpoint, platform_name="cuda")
+    syncs = _by_depth(tmp_path, _gpu_step_syncs, platform_name="cuda")
     for name in ("train", "log_prob"):
-        (shallow, _), (deep, _) = syncs[0][name], syncs[1][name]  # (waits, the lines that asked)
+        (shallow, _), (deep, _) = syncs[0][name], syncs[1][name]
         assert deep - shallow == 4 * 2, (name, syncs)
