@@ -19,6 +19,8 @@ hook reads):
   the CP group, so every CP rank computes every sequence-level quantity and the same loss;
 - ``response_mask`` [b, R]: R is the response width, the same for every micro-batch;
 - ``old_log_probs``, ``advantages`` [b, R]; ``ref_log_probs`` [b, R] only with the KL loss;
+- ``response_index`` [3, N] long, optional: ``response_token_index`` of the micro-batch, computed
+  where reading values back is free (the actor: on the host, while it cuts the micro-batch);
 - ``rollout_is_weights`` [b, R], optional: rollout-correction IS weights (``loss.rollout_correction``),
   multiplied into the per-token policy loss. Rejection sampling arrives already applied to
   ``response_mask``, so the mini-batch counts the actor takes from it (``MiniBatchNorm``) leave
@@ -42,7 +44,7 @@ from .kl import KL_PENALTY_TYPES, kl_penalty
 from .policy import compute_policy_loss
 from .registry import PolicyLossSettings, policy_loss_modes
 from .rules import Rule, at_least, check_fields, greater_than, one_of
-from .vocab_parallel import DEFAULT_CHUNK_SIZE, sum_over_context_parallel, vocab_parallel_log_probs_and_entropy
+from .vocab_parallel import DEFAULT_CHUNK_SIZE, log_probs_and_entropy, sum_over_context_parallel
 
 Metrics = dict[str, torch.Tensor]
 
@@ -104,15 +106,41 @@ class MiniBatchNorm(Normalization):
             )
 
 
+def response_token_index(micro_batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[3, N] long: each scored response token's row and column in [b, R] and its position on the
+    flattened token axis (``input_ids`` viewed as [b * s] or [T]). Checks that every token lies in
+    its sequence after a prompt of at least one token. It finds the tokens (``nonzero``) and checks
+    them by reading values, so the actor computes it on the host while it cuts a micro-batch and
+    hands it over as ``response_index``: the loss on the device then reads nothing back."""
+    input_ids, prompt_lengths = micro_batch["input_ids"], micro_batch["prompt_lengths"]
+    mask = micro_batch["response_mask"].bool()
+    starts = micro_batch.get("sequence_starts")
+    total = input_ids.numel()
+    if starts is None:
+        starts = torch.arange(len(prompt_lengths), device=input_ids.device) * input_ids.shape[1]
+    # A row ends where the next one (in token order) starts.
+    order = starts.argsort()
+    ends = torch.empty_like(starts)
+    ends[order] = torch.cat([starts[order][1:], starts.new_tensor([total])])
+
+    rows, cols = mask.nonzero(as_tuple=True)
+    token_pos = starts[rows] + prompt_lengths[rows] + cols
+    if bool(((token_pos <= starts[rows]) | (token_pos >= ends[rows])).any()):
+        raise ValueError("response tokens must lie inside their sequence, after a prompt of at least one token "
+                         "(check prompt_lengths, response_mask and sequence_starts)")
+    return torch.stack([rows, cols, token_pos])
+
+
 def _response_tokens(
     logits: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The logits as rows [b * s' or T', V/tp]; the rows that predict the response tokens this rank
     scores [N] and those tokens [N]; each token's (row, column) in [b, R]. Without context
     parallel s' = s and every response token is scored; with it (``held_positions``) the logits
-    cover the s' held positions of each row, and a token is scored where its predecessor is held."""
+    cover the s' held positions of each row, and a token is scored where its predecessor is held.
+    The tokens are the micro-batch's ``response_index`` where it has one (``response_token_index``)."""
     input_ids, prompt_lengths = micro_batch["input_ids"], micro_batch["prompt_lengths"]
-    mask = micro_batch["response_mask"].bool()
+    mask = micro_batch["response_mask"]
     starts = micro_batch.get("sequence_starts")
     held = micro_batch.get("held_positions")
     width = input_ids.shape[1]
@@ -129,20 +157,9 @@ def _response_tokens(
             f"{tuple(prompt_lengths.shape)}, response_mask {tuple(mask.shape)}, sequence_starts "
             f"{None if starts is None else tuple(starts.shape)}, held_positions {None if held is None else tuple(held.shape)}"
         )
-    total = input_ids.numel()
-    if starts is None:
-        starts = torch.arange(len(prompt_lengths), device=input_ids.device) * width
-    # A row ends where the next one (in token order) starts.
-    order = starts.argsort()
-    ends = torch.empty_like(starts)
-    ends[order] = torch.cat([starts[order][1:], starts.new_tensor([total])])
-
-    rows, cols = mask.nonzero(as_tuple=True)
-    token_pos = starts[rows] + prompt_lengths[rows] + cols
-    if bool(((token_pos <= starts[rows]) | (token_pos >= ends[rows])).any()):
-        raise ValueError("response tokens must lie inside their sequence, after a prompt of at least one token "
-                         "(check prompt_lengths, response_mask and sequence_starts)")
-    targets = input_ids.reshape(total)[token_pos]  # read from the whole sequence: shifted before any split
+    index = micro_batch.get("response_index")
+    rows, cols, token_pos = response_token_index(micro_batch) if index is None else index
+    targets = input_ids.reshape(-1)[token_pos]  # read from the whole sequence: shifted before any split
     predicting = token_pos - 1
     if held is not None:
         local = torch.full((width,), -1, dtype=torch.long, device=held.device)
@@ -170,9 +187,9 @@ def response_log_probs(
     ``loss.vocab_parallel.vocab_parallel_log_probs_and_entropy``.
     """
     flat, positions, targets, where = _response_tokens(logits, micro_batch)
-    log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-        flat, positions, targets, temperature, with_entropy, chunk_size, reuse_logits
-    )
+    # distinct rows of the logits by construction: the unchecked entry, which reads nothing back
+    log_probs, entropy = log_probs_and_entropy(flat, positions, targets, temperature, with_entropy, chunk_size,
+                                               reuse_logits)
     shape = micro_batch["response_mask"].shape
     log_probs = log_probs.new_zeros(shape).index_put(where, log_probs)
     entropy = None if entropy is None else entropy.new_zeros(shape).index_put(where, entropy)

@@ -213,6 +213,13 @@ def vocab_parallel_log_probs_and_entropy(
         ordered = positions.sort().values
         if bool((ordered[0] < 0) | (ordered[-1] >= logits.shape[0]) | (ordered.diff() == 0).any()):
             raise ValueError(f"positions must be distinct rows of the {logits.shape[0]} rows of logits")
+    return log_probs_and_entropy(logits, positions, targets, temperature, with_entropy, chunk_size, reuse_logits)
+
+
+def log_probs_and_entropy(logits: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          with_entropy: bool, chunk_size: int, reuse_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``vocab_parallel_log_probs_and_entropy`` without its check of ``positions``, which reads
+    them back from the device: for callers whose positions are distinct rows by construction."""
     chunk = chunk_rows(positions.numel(), logits.shape[0], chunk_size)
     reuse = reuse_logits and logits.requires_grad and not _held_by_caller(logits)
     return _LogProbsAndEntropy.apply(logits, positions, targets, temperature, with_entropy, chunk, reuse)

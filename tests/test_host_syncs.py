@@ -138,9 +138,9 @@ def test_the_permutation_does_not_synchronise_on_a_gpu(permutes):
     assert torch.equal(out, want[0]) and torch.equal(out_probs.detach(), want[1])
 
 
-def _step_runs(checkpoint: str, platform_name: str, options, pack: bool) -> dict:
-    """A tiny actor's train step and log-prob pass on one batch in two micro-batches, after a step
-    that warms it up."""
+def _step_runs(checkpoint: str, platform_name: str, options, pack: bool, micro_batch_size: int = 4) -> dict:
+    """A tiny actor's train step and log-prob pass on one batch of 8 rows in micro-batches of
+    ``micro_batch_size``, after a step that warms it up; "actor": the actor."""
     from loss.megatron_hook import log_prob_func, policy_loss_func
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.plan.model_spec import load_model_spec
@@ -153,9 +153,10 @@ def _step_runs(checkpoint: str, platform_name: str, options, pack: bool) -> dict
                           pack=pack)
     actor.load_hf(checkpoint)
     batch = make_batch(checkpoint)
-    train = partial(actor.train_step, batch, 4, partial(policy_loss_func, LOSSES["gspo"]))
+    train = partial(actor.train_step, batch, micro_batch_size, partial(policy_loss_func, LOSSES["gspo"]))
     train()
-    return {"train": train, "log_prob": partial(actor.forward_only, batch, 4, partial(log_prob_func, 1.0, False))}
+    return {"train": train, "log_prob": partial(actor.forward_only, batch, micro_batch_size,
+                                                partial(log_prob_func, 1.0, False)), "actor": actor}
 
 
 def _by_depth(tmp_path, fn, *args, platform_name: str = "cpu") -> list:
@@ -170,15 +171,27 @@ def _by_depth(tmp_path, fn, *args, platform_name: str = "cpu") -> list:
 
 def _step_waits(rank, world_size, checkpoint, pack):
     """The data-dependent operations of the step and the pass on the CPU, with the alltoall
-    dispatcher (the one an accelerator runs), packed or padded."""
+    dispatcher (the one an accelerator runs), packed or padded: in all, and those inside the passes
+    over the micro-batches once they are cut and shipped (what runs on the device)."""
     from megatron_bridge.runtime.model import BuildOptions
 
+    runs = _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), pack)
+    actor = runs.pop("actor")
+    passes = OpNames()
+    run_passes = actor._run
+
+    def counted(*args, **kwargs):
+        with passes:
+            return run_passes(*args, **kwargs)
+
+    actor._run = counted
     out = {}
-    for name, run in _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"),
-                                pack).items():
+    for name, run in runs.items():
+        passes.waits.clear()
         with OpNames() as ops:
             run()
         out[name] = dict(ops.waits)
+        out[f"{name} passes"] = dict(passes.waits)
     return out
 
 
@@ -187,23 +200,33 @@ def _step_waits(rank, world_size, checkpoint, pack):
 def test_a_deeper_model_waits_no_more_often(tmp_path, pack):
     """Two and six layers, the same batch in two micro-batches: the same read-backs, none of them in
     a layer (before, each MoE layer's permutation ran masked_select and each packed attention read
-    its longest sequence back)."""
+    its longest sequence back), and none at all while the micro-batches run: what the loss reads
+    (its response tokens, their checks) and the packed sequence's longest part are computed while
+    the actor cuts the micro-batches on the host (before, 3-6 reads per micro-batch)."""
     waits = _by_depth(tmp_path, _step_waits, pack)
     assert waits[0] == waits[1]
     for name in ("train", "log_prob"):
+        assert waits[0][f"{name} passes"] == {}, waits
         assert not any("masked_select" in site or "/moe/" in site or "attention" in site for site in waits[0][name]), waits
-    # what is left is per step or micro-batch (the batch's sizes, the loss's token positions and checks,
-    # the gradient norm), and the census sees it
-    assert sum(waits[0]["train"].values()) > 0 and any("clip_grads" in site for site in waits[0]["train"])
+    # what is left is the cutting on the host (the loss's tokens) and per step (the gradient norm),
+    # and the census sees it
+    assert any("megatron_hook" in site for site in waits[0]["log_prob"]), waits
+    assert any("clip_grads" in site for site in waits[0]["train"]), waits
 
 
-def _gpu_step_syncs(rank, world_size, checkpoint):
+def _gpu_step_syncs(rank, world_size, checkpoint, micro_batch_sizes=(4,)):
     """On CUDA (bf16, packed, the alltoall dispatcher): how often the step and the pass made the host
-    wait, by torch's sync debug mode (``bench.actor_throughput.host_syncs``: waits, the lines)."""
+    wait, by torch's sync debug mode (``bench.actor_throughput.host_syncs``: waits, the lines), for
+    each micro-batch size (the batch: 8 rows)."""
     from bench.actor_throughput import host_syncs
     from megatron_bridge.runtime.model import BuildOptions
 
-    return {name: host_syncs(run) for name, run in _step_runs(checkpoint, "cuda", BuildOptions(), True).items()}
+    out = []
+    for size in micro_batch_sizes:
+        runs = _step_runs(checkpoint, "cuda", BuildOptions(), True, size)
+        runs.pop("actor")
+        out.append({name: host_syncs(run) for name, run in runs.items()})
+    return out[0] if len(out) == 1 else out
 
 
 @pytest.mark.gpu
@@ -216,3 +239,16 @@ def test_on_a_gpu_a_layer_waits_once_a_pass(tmp_path):
     for name in ("train", "log_prob"):
         (shallow, _), (deep, _) = syncs[0][name], syncs[1][name]
         assert deep - shallow == 4 * 2, (name, syncs)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_on_a_gpu_a_micro_batch_waits_once_a_layer(tmp_path):
+    """Cut on the host and shipped from pinned memory, a micro-batch costs no wait of its own: 8
+    micro-batches against 2 add the dispatcher's one wait per layer (2) and micro-batch (6 more), 12,
+    in the train step and in the log-prob pass (before, each micro-batch also waited for its copy,
+    its sizes and the loss's token positions)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "hf", seed=1, num_hidden_layers=2)
+    two, eight = run_ranks(_gpu_step_syncs, 1, tmp_path, checkpoint, (4, 1), platform_name="cuda")[0]
+    for name in ("train", "log_prob"):
+        assert eight[name][0] - two[name][0] == 2 * 6, (name, two[name], eight[name])

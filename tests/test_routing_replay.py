@@ -303,3 +303,37 @@ def test_hf_recorder_reads_transformers_top_k(checkpoints):
     with pytest.raises(RuntimeError, match="call the model first"):
         recorder.take()
     json.dumps(table.tolist())
+
+
+def test_the_routers_choices_are_read_without_a_host_read():
+    """The tap reads each token's k experts with a stable sort, not ``nonzero`` (which waits for
+    the device in every layer): the same ids, ascending; a token routed to other than k experts is
+    counted, and the pass ends with that error."""
+    from megatron_bridge.moe.routing import sorted_topk, topk_miscounted
+    from tests.test_host_syncs import OpNames, routing_map
+
+    for tokens, experts, topk in ((37, 8, 2), (64, 128, 8), (5, 4, 1), (0, 4, 2)):
+        routed = routing_map(tokens, experts, topk, seed=tokens, uneven=False)
+        with OpNames() as ops:
+            ids, miscounted = sorted_topk(routed, topk), topk_miscounted(routed, topk)
+        assert "nonzero" not in ops.names and "_local_scalar_dense" not in ops.names
+        assert torch.equal(ids, routed.nonzero()[:, 1].view(-1, topk)) and int(miscounted) == 0
+    uneven = routing_map(50, 16, 4, seed=1, uneven=True)
+    assert int(topk_miscounted(uneven, 4)) == int((uneven.sum(1) != 4).sum()) > 0
+
+
+@pytest.mark.parametrize("case, message", [
+    ("twice", "layer 3: a token lists an expert id twice"),
+    ("outside", "layer 3: a token lists an expert id twice or one outside"),
+    ("mixed", "layer 3: a token mixes expert ids and -1"),
+])
+def test_replayed_experts_are_checked_for_every_layer_at_once(case, message):
+    """k distinct ids in range, or all -1; the error names the layer (all layers in one read)."""
+    from megatron_bridge.moe.routing import _check_targets
+
+    targets = torch.tensor([[[0, 1], [2, 3]], [[-1, -1], [1, 0]], [[3, 2], [-1, -1]]])  # [tokens, layers, k]
+    _check_targets(targets, 4, [0, 3])  # valid: nothing raised
+    bad = targets.clone()
+    bad[1, 1] = {"twice": torch.tensor([2, 2]), "outside": torch.tensor([1, 4]), "mixed": torch.tensor([1, -1])}[case]
+    with pytest.raises(ValueError, match=message):
+        _check_targets(bad, 4, [0, 3])

@@ -67,12 +67,15 @@ def replay_problems(config) -> list[str]:
 
 
 def sorted_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
-    """[tokens, experts] bool (exactly k per token, as dropless routing gives) -> [tokens, k] ids, ascending."""
-    ids = routing_map.nonzero()[:, 1]
-    if ids.numel() != routing_map.shape[0] * topk:
-        raise RuntimeError(f"routing chose {ids.numel()} experts for {routing_map.shape[0]} tokens, expected "
-                           f"{topk} each (capture needs dropless routing: no capacity factor)")
-    return ids.view(-1, topk)
+    """[tokens, experts] bool (exactly k per token, as dropless routing gives: ``topk_miscounted``)
+    -> [tokens, k] ids, ascending. A stable sort puts each token's chosen experts first, in order,
+    without reading anything back from the device."""
+    return routing_map.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :topk]
+
+
+def topk_miscounted(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """0-dim: how many tokens of ``routing_map`` are not routed to exactly ``topk`` experts."""
+    return (routing_map.sum(dim=1) != topk).sum()
 
 
 def replayed_gates(logits: torch.Tensor, experts: torch.Tensor, config) -> torch.Tensor:
@@ -153,7 +156,7 @@ class RoutingTap:
         zeros = lambda dtype: torch.zeros(len(self.layers), dtype=dtype, device=device)  # noqa: E731
         self._pass = dict(rows=rows, width=width, capture=capture, replay=replay, training=training, chunks=[],
                           tokens=zeros(torch.long), overridden=zeros(torch.long), entropy=zeros(torch.float64),
-                          topk_mass=zeros(torch.float64))
+                          topk_mass=zeros(torch.float64), miscounted=zeros(torch.long))
         for queue in self._fifo.values():
             queue.clear()
         self._pops = dict.fromkeys(self.layers, 0)
@@ -167,10 +170,15 @@ class RoutingTap:
                                    f"ran {self._pops[layer] + len(queue)} forwards; the recompute would not replay "
                                    "the routing of its forward")
             queue.clear()
+        miscounted = p["miscounted"].tolist()
+        if any(miscounted):
+            raise RuntimeError(f"routing chose other than {self.topk} experts for {sum(miscounted)} tokens (capture "
+                               "and replay need dropless routing: no capacity factor)")
         routing = None
         if p["capture"]:
             routing = empty_routing(p["rows"], p["width"], len(self.layers), self.topk)
-            for index, values in p["chunks"]:
+            for chunk in p["chunks"]:  # each micro-batch's, kept on the device until now: one copy each
+                index, values = _captured(*(t.cpu() for t in chunk[:5]), chunk[5], self.layers)
                 routing[index] = values
         return RoutingRecord(
             layers=[layer - 1 for layer in self.layers], routing=routing, tokens=p["tokens"].cpu(),
@@ -196,21 +204,21 @@ class RoutingTap:
             experts = micro_batch[ROUTED_EXPERTS].to(ends.device)
             per_token = experts[token_rows, token_positions.clamp(max=experts.shape[1] - 1)].long()
             per_token[~(within & (token_positions < experts.shape[1]))] = NONE  # [tokens, layers, k]
+            _check_targets(per_token[:, [layer - 1 for layer in self.layers]], self.routers[0].num_experts,
+                           [layer - 1 for layer in self.layers])
             for layer in self.layers:
-                targets[layer] = _checked_target(per_token[:, layer - 1], self.routers[0].num_experts, layer)
+                targets[layer] = per_token[:, layer - 1]
         self._micro = _MicroBatch(micro_batch.get(ROW_INDEX), token_rows, token_positions, valid, targets)
         try:
             yield
         finally:
             micro, self._micro = self._micro, None
         if self._pass["capture"] and micro.captured:
-            # one host copy per micro-batch and model chunk (with VPP a chunk runs some of this rank's layers)
+            # per micro-batch and model chunk (with VPP a chunk runs some of this rank's layers), on the
+            # device until the pass ends: copying it to the host here would wait for the device
             layers = sorted(micro.captured)
-            stacked = torch.stack([micro.captured[layer] for layer in layers], dim=1).to(ROUTING_DTYPE).cpu()
-            kept = within.cpu()
-            index = (micro.rows.cpu()[micro.token_rows.cpu()[kept]][:, None], micro.token_positions.cpu()[kept][:, None],
-                     torch.tensor([self.layers.index(layer) for layer in layers])[None, :])
-            self._pass["chunks"].append((index, stacked[kept]))
+            stacked = torch.stack([micro.captured[layer] for layer in layers], dim=1).to(ROUTING_DTYPE)
+            self._pass["chunks"].append((micro.rows, micro.token_rows, micro.token_positions, within, stacked, layers))
 
     # --- the routing wrapper calls this ---------------------------------------------------
 
@@ -231,20 +239,24 @@ class RoutingTap:
             return self._forced(router, logits, self._fifo[layer].popleft(), probs, routing_map)
         native = sorted_topk(routing_map, self.topk)
         index = self.layers.index(layer)
+        # every token is computed and the invalid ones masked out: selecting the valid ones would
+        # read their number back from the device, in every layer
         with torch.no_grad():
             valid = micro.valid
+            p["miscounted"][index] += topk_miscounted(routing_map, self.topk)
             p["tokens"][index] += valid.sum()
-            scores = torch.softmax(logits[valid].detach().float(), dim=-1)
-            p["entropy"][index] += -(scores * torch.log(scores.clamp_min(1e-30))).sum().double()
-            p["topk_mass"][index] += scores.gather(1, native[valid]).sum().double()
+            scores = torch.softmax(logits.detach().float(), dim=-1)
+            entropy = -(scores * torch.log(scores.clamp_min(1e-30))).sum(dim=-1)
+            p["entropy"][index] += torch.where(valid, entropy, 0.0).sum().double()
+            p["topk_mass"][index] += torch.where(valid, scores.gather(1, native).sum(dim=-1), 0.0).sum().double()
         if p["capture"]:
             micro.captured[layer] = native
         target = micro.targets.get(layer)
         if target is None:
             return probs, routing_map
         with torch.no_grad():
-            replayed = (target >= 0).all(-1)
-            p["overridden"][index] += changed_slots(native[valid & replayed], target[valid & replayed]).sum()
+            replayed = valid & (target >= 0).all(-1)
+            p["overridden"][index] += torch.where(replayed, changed_slots(native, target), 0).sum()
         if p["training"]:
             self._fifo[layer].append(target)
         return self._forced(router, logits, target, probs, routing_map)
@@ -289,14 +301,25 @@ def _router_tokens(micro_batch: dict[str, torch.Tensor], seq_len: int,
     return token_rows, positions, span < last
 
 
-def _checked_target(target: torch.Tensor, num_experts: int, layer: int) -> torch.Tensor:
-    """Replayed experts must be k distinct ids in range (the dispatchers count k per token)."""
-    given = (target >= 0).all(-1)
-    rows = target[given]
-    bad = (rows >= num_experts).any(-1) | (rows.sort(-1).values.diff(dim=-1) == 0).any(-1)
-    if bool(bad.any()):
-        raise ValueError(f"routed_experts for layer {layer - 1}: a token lists an expert id twice or one outside "
-                         f"[0, {num_experts}); each token needs its k distinct experts (or -1 for none)")
-    if bool(((target >= 0).any(-1) & ~given).any()):
-        raise ValueError(f"routed_experts for layer {layer - 1}: a token mixes expert ids and -1")
-    return target
+def _check_targets(targets: torch.Tensor, num_experts: int, layers: list[int]) -> None:
+    """Replayed experts [tokens, layers, k] must be k distinct ids in range (the dispatchers count k
+    per token) or all -1; ``layers``: the 0-based layer of each. One read back for all layers."""
+    given = (targets >= 0).all(-1)
+    twice_or_outside = given & ((targets >= num_experts).any(-1) | (targets.sort(-1).values.diff(dim=-1) == 0).any(-1))
+    mixed = (targets >= 0).any(-1) & ~given
+    problems = torch.stack([twice_or_outside.any(0), mixed.any(0)]).tolist()
+    for layer, bad, mixes in zip(layers, *problems):
+        if bad:
+            raise ValueError(f"routed_experts for layer {layer}: a token lists an expert id twice or one outside "
+                             f"[0, {num_experts}); each token needs its k distinct experts (or -1 for none)")
+        if mixes:
+            raise ValueError(f"routed_experts for layer {layer}: a token mixes expert ids and -1")
+
+
+def _captured(rows: torch.Tensor, token_rows: torch.Tensor, token_positions: torch.Tensor, within: torch.Tensor,
+              stacked: torch.Tensor, layers: list[int], all_layers: list[int]) -> tuple[tuple, torch.Tensor]:
+    """One micro-batch's captured experts (host tensors) as an index into the pass's routing table
+    (row, position, layer) and the values there; ``within``: the tokens inside the table's width."""
+    index = (rows[token_rows[within]][:, None], token_positions[within][:, None],
+             torch.tensor([all_layers.index(layer) for layer in layers])[None, :])
+    return index, stacked[within]

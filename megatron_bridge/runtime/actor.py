@@ -21,13 +21,15 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from loss.megatron_hook import MiniBatchNorm
+from loss.megatron_hook import MiniBatchNorm, response_token_index
 from megatron_bridge.runtime.batch import (
     CU_SEQLENS,
     HELD_POSITIONS,
     INPUT_IDS,
     POSITION_IDS,
+    PACKED_SEQ_PARAMS,
     RESPONSE_ENDS,
+    RESPONSE_INDEX,
     RESPONSE_MASK,
     ROW_INDEX,
     SEQUENCE_STARTS,
@@ -41,6 +43,7 @@ from megatron_bridge.runtime.kernels import optimizer_path, resolve
 from megatron_bridge.runtime.megatron_compat import fuse_torch_adam
 from megatron_bridge.runtime.model import BuildOptions, build_model_chunks
 from megatron_bridge.runtime.offload import HostCopy, training_storages
+from megatron_bridge.runtime.platform import to_device
 from megatron_bridge.plan.model_spec import ModelSpec
 
 def initialize_parallel(train: TrainParallel, seed: int = 1234) -> None:
@@ -189,16 +192,20 @@ class MegatronActor:
         every rank for the allgather dispatcher's equal-size gathers and the pipeline's p2p.
         Packed (``packs``), a micro-batch's rows go back to back up to their response ends in one
         sequence, padded at its end only (with context parallel each row to a multiple of 2 x CP),
-        and a token budget counts their tokens."""
+        and a token budget counts their tokens.
+
+        The cutting runs on the host, where reading a length costs nothing (on a GPU each read of a
+        device value waits for the device), and each micro-batch goes up whole, with the indices the
+        loss needs (``_shipped``): one round trip through the device in all, for the lengths of the
+        other ranks."""
         self._require_on_device()
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        batch = {k: v.cpu() for k, v in batch.items()}
         ends = response_ends(batch)
         lengths_of_rows = self._packed_sizes(ends) if self.packs else ends.clamp(min=1)
         multiple = self.train.seq_multiple
         if max_tokens is None:
-            length = lengths_of_rows.max().reshape(1)
-            torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
-            rows = torch.arange(len(lengths_of_rows), device=self.device)
+            length = self._over_ranks(lengths_of_rows.max().reshape(1), torch.distributed.ReduceOp.MAX)
+            rows = torch.arange(len(lengths_of_rows))
             groups = [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
             if len(rows) % micro_batch_size:
                 raise ValueError(f"{len(rows)} rows do not split into batches of {micro_batch_size}")
@@ -209,25 +216,47 @@ class MegatronActor:
                                  "cannot send with this MoE dispatcher (megatron's variable_seq_lengths is off for "
                                  "allgather): use pipeline_model_parallel_size=1 or micro-batches by rows")
             order = torch.argsort(lengths_of_rows, descending=True, stable=True)
-            longest = lengths_of_rows[order]
-            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+            longest = self._over_ranks(lengths_of_rows[order], torch.distributed.ReduceOp.MAX)
             # the interleaved schedule takes micro-batches in groups of PP
             runs = token_budget_runs(longest.tolist(), max_tokens, multiple, self.train.pp if self.train.vpp else 1,
                                      packed=self.packs)
             groups = [order[start:end] for start, end in runs]
             lengths = [int(longest[start]) for start, _ in runs]
         if self.packs:
-            return self._packed_micro_batches(batch, groups, ends)
-        return [_padded(batch, rows, math.ceil(length / multiple) * multiple, ends)
-                for rows, length in zip(groups, lengths)]
+            cut = self._packed_micro_batches(batch, groups, ends)
+        else:
+            cut = [_padded(batch, rows, math.ceil(length / multiple) * multiple, ends)
+                   for rows, length in zip(groups, lengths)]
+        return [self._shipped(mb) for mb in cut]
+
+    def _over_ranks(self, values: torch.Tensor, op, group=None) -> torch.Tensor:
+        """Host ``values`` reduced by ``op`` over ``group``'s ranks (default: all), on the host. The
+        backend's collectives take the device's tensors: one copy up and one read back, none alone."""
+        if torch.distributed.get_world_size(group) == 1:
+            return values
+        on_device = values.to(self.device)
+        torch.distributed.all_reduce(on_device, op=op, group=group)
+        return on_device.cpu()
+
+    def _shipped(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A micro-batch cut on the host, on the device, with what is read from its values computed
+        here first: the loss's response tokens (``response_token_index``), the positions this CP
+        rank holds, and megatron's description of a packed sequence (its longest part a host int)."""
+        extra = {RESPONSE_INDEX: response_token_index(micro_batch)}
+        if self.train.cp > 1:
+            extra[HELD_POSITIONS] = context_parallel.held(micro_batch[INPUT_IDS].shape[1], micro_batch.get(CU_SEQLENS),
+                                                          ulysses=context_parallel.ulysses_degree(self.train))
+        shipped = {k: to_device(v, self.device) for k, v in {**micro_batch, **extra}.items()}
+        if CU_SEQLENS in micro_batch:
+            shipped[PACKED_SEQ_PARAMS] = _packed_seq_params(shipped[CU_SEQLENS], micro_batch[CU_SEQLENS])
+        return shipped
 
     def _packed_micro_batches(self, batch: dict[str, torch.Tensor], groups: list[torch.Tensor],
                               ends: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """One packed sequence per group of rows, its length the largest over all ranks (rounded up
         to TP); all of one length when the pipeline cannot send others."""
         sizes = self._packed_sizes(ends)
-        totals = torch.stack([sizes[rows].sum() for rows in groups])
-        torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.MAX)
+        totals = self._over_ranks(torch.stack([sizes[rows].sum() for rows in groups]), torch.distributed.ReduceOp.MAX)
         if self.train.pp > 1 and not self.config.variable_seq_lengths:
             totals = totals.max().expand_as(totals)
         multiple = self.train.seq_multiple
@@ -246,14 +275,11 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator, model):
             mb = next(data_iterator)
             input_ids, positions = mb[INPUT_IDS], mb[POSITION_IDS]
-            if self.train.cp > 1:  # the model sees this rank's positions; the loss reads labels from the whole rows
-                held = context_parallel.held(input_ids.shape[1], mb.get(CU_SEQLENS), device=input_ids.device,
-                                             ulysses=context_parallel.ulysses_degree(self.train))
-                mb = {**mb, HELD_POSITIONS: held}
-                input_ids, positions = input_ids[:, held], positions[:, held]
+            if HELD_POSITIONS in mb:  # the model sees this rank's positions; the loss reads labels from the whole rows
+                input_ids, positions = input_ids[:, mb[HELD_POSITIONS]], positions[:, mb[HELD_POSITIONS]]
             with self.forward_context(mb, mb[INPUT_IDS].shape[1]):
                 output = model(input_ids=input_ids, position_ids=positions, attention_mask=None,
-                               packed_seq_params=_packed_seq_params(mb))
+                               packed_seq_params=mb.get(PACKED_SEQ_PARAMS))
             return output, partial(loss_fn, mb)
 
         iterators = [iter(micro_batches) for _ in self.chunks]
@@ -306,10 +332,9 @@ class MegatronActor:
             raise RuntimeError("no optimizer: build with an OptimConfig (a reference model does not train) and load "
                                "weights with load_hf() first")
         micro_batches = self.micro_batches(batch, micro_batch_size, max_tokens)
-        mask = batch[RESPONSE_MASK].bool()
-        counts = torch.stack([mask.sum(), mask.any(dim=1).sum()]).to(self.device, torch.long)
-        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
-        tokens, rows = counts.tolist()  # one read-back for both
+        mask = batch[RESPONSE_MASK].cpu().bool()
+        counts = torch.stack([mask.sum(), mask.any(dim=1).sum()]).long()
+        tokens, rows = self._over_ranks(counts, torch.distributed.ReduceOp.SUM, ps.get_data_parallel_group()).tolist()
         norm = MiniBatchNorm(dp_size=self.dp_size, num_microbatches=len(micro_batches), batch_num_tokens=tokens,
                              global_batch_size=rows)
 
@@ -423,16 +448,14 @@ def _packed(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, en
             SEQUENCE_STARTS: bounds[: len(sizes)], CU_SEQLENS: bounds.to(torch.int32)}
 
 
-def _packed_seq_params(micro_batch: dict[str, torch.Tensor]):
-    """megatron's description of a packed micro-batch (``thd``), None for a padded one. Every row's
+def _packed_seq_params(bounds: torch.Tensor, host_bounds: torch.Tensor):
+    """megatron's description of a packed micro-batch (``thd``) with the sequence boundaries
+    ``bounds`` (``host_bounds``: the same in host memory, for the longest part). Every row's
     part is already padded (to a multiple of 2 x CP under context parallel), so the padded
     boundaries that TE's and MindSpeed's CP attention split by are the boundaries themselves."""
-    if CU_SEQLENS not in micro_batch:
-        return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    bounds = micro_batch[CU_SEQLENS]
-    longest = int((bounds[1:] - bounds[:-1]).max())
+    longest = int((host_bounds[1:] - host_bounds[:-1]).max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
                            cu_seqlens_kv_padded=bounds, max_seqlen_q=longest, max_seqlen_kv=longest)
 

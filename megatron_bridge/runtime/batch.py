@@ -50,6 +50,10 @@ SEQUENCE_STARTS = "sequence_starts"  # [b]: where each row's tokens begin in the
 CU_SEQLENS = "cu_seqlens"  # [b + 1 or b + 2] int32: sequence boundaries (a trailing padding segment last)
 # ... and, with context parallel, to what the model and the loss hook see of each micro-batch
 HELD_POSITIONS = "held_positions"  # [s / CP]: the (packed) sequence positions this CP rank holds
+# ... and, computed on the host where reading values is free, what the passes would otherwise read
+# back from the device
+RESPONSE_INDEX = "response_index"  # [3, N]: the loss's response tokens (loss.megatron_hook.response_token_index)
+PACKED_SEQ_PARAMS = "packed_seq_params"  # megatron's PackedSeqParams of a packed micro-batch (not a tensor)
 
 
 class ReplayMode(str, Enum):

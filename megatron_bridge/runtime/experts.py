@@ -43,6 +43,8 @@ from megatron.core.transformer.moe.experts import expert_dist_ckpt_decorator
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import divide, make_tp_sharded_tensor_for_checkpoint
 
+from megatron_bridge.runtime.platform import to_device
+
 # (device type, dtype) -> whether torch._grouped_mm ran forward and backward there
 _GROUPED_MM_RUNS: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -87,13 +89,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def expert_offsets(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The groups' end rows (cumulative counts, int32) on ``device`` for ``torch._grouped_mm``.
-    megatron's dispatchers hand the counts over in host memory; a plain copy up to a CUDA device
-    makes the host wait for everything queued before it, so the copy goes from pinned memory,
-    asynchronously (torch keeps the pinned buffer until the copy is done)."""
-    offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-    if device.type == "cuda" and offsets.device.type == "cpu":
-        return offsets.pin_memory().to(device, non_blocking=True)
-    return offsets.to(device)
+    megatron's dispatchers hand the counts over in host memory: copied up without a wait."""
+    return to_device(tokens_per_expert.cumsum(0).to(torch.int32), device)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int],

@@ -144,3 +144,12 @@ def init_distributed(platform: Platform) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group(platform.backend)
     return device
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without making the host wait. A plain copy from host memory up to a
+    CUDA device waits for everything queued on the device before it; from pinned memory the copy
+    is queued like a kernel (torch keeps the pinned buffer until it is done)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
