@@ -1,11 +1,13 @@
 """Where the actor makes the host wait for the device. On the CPU nothing waits, but the
 operations that would are visible: a value read back (``_local_scalar_dense``: ``.item()``,
 ``float()``, ``bool()``) and a result whose size depends on the data (``nonzero``,
-``masked_select``). The MoE token permutation (``megatron_compat._cover_unfused_permute``) gives
-megatron-core 0.12.1's order without ``masked_select``: the same tokens, probabilities and order,
-forward and backward; and no layer of the model reads anything back, so a deeper model waits no
-more often than a shallow one (the alltoall dispatcher's one copy of its counts to the host per
-layer is a copy, invisible on the CPU). ``gpu``-marked: the same under torch's sync debug mode."""
+``masked_select``, indexing by a boolean mask). The MoE token permutation
+(``megatron_compat._cover_unfused_permute``) gives megatron-core 0.12.1's order without
+``masked_select``: the same tokens, probabilities and order, forward and backward; no layer of
+the model reads anything back, so a deeper model waits no more often than a shallow one (the
+alltoall dispatcher's one copy of its counts to the host per layer is a copy, invisible on the
+CPU); and nothing inside the passes over the micro-batches reads anything back, the routing tap's
+capture and replay included. ``gpu``-marked: the same under torch's sync debug mode."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ from tests.distributed import run_ranks
 
 # operations whose output size or value the host must read from the device before it can go on
 DATA_DEPENDENT = {"masked_select", "nonzero", "_local_scalar_dense", "unique", "_unique2"}
+# ... and these where an index is a boolean mask (``x[mask]``: the nonzero runs inside them)
+INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+def _masked_indexing(name: str, args) -> bool:
+    indices = args[1] if name in INDEXING and len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +57,9 @@ class OpNames(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.names.add(name)
-        if name in DATA_DEPENDENT:
+        if _masked_indexing(name, args):
+            name = f"{name} by a mask"
+        if name in DATA_DEPENDENT or name.endswith(" by a mask"):
             frame = [f for f in traceback.extract_stack()[:-1]
                      if not any(part in f.filename for part in ("/torch/", "cpu_adaptor", "test_host_syncs"))][-1]
             self.waits[f"{name} at {frame.filename.split('site-packages/')[-1]}:{frame.lineno}"] += 1
@@ -176,15 +187,7 @@ def _step_waits(rank, world_size, checkpoint, pack):
     from megatron_bridge.runtime.model import BuildOptions
 
     runs = _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), pack)
-    actor = runs.pop("actor")
-    passes = OpNames()
-    run_passes = actor._run
-
-    def counted(*args, **kwargs):
-        with passes:
-            return run_passes(*args, **kwargs)
-
-    actor._run = counted
+    passes = _count_passes(runs.pop("actor"))
     out = {}
     for name, run in runs.items():
         passes.waits.clear()
@@ -193,6 +196,54 @@ def _step_waits(rank, world_size, checkpoint, pack):
         out[name] = dict(ops.waits)
         out[f"{name} passes"] = dict(passes.waits)
     return out
+
+
+def _count_passes(actor) -> OpNames:
+    """Counts, from now on, what the actor's passes over cut micro-batches run (``actor._run``)."""
+    passes = OpNames()
+    run_passes = actor._run
+
+    def counted(*args, **kwargs):
+        with passes:
+            return run_passes(*args, **kwargs)
+
+    actor._run = counted
+    return passes
+
+
+def _tap_waits(rank, world_size, checkpoint):
+    """With the routing tap on the actor: the data-dependent operations inside the passes of a
+    log-prob pass that captures the routing and of a train step that replays it (R2), packed."""
+    from loss.megatron_hook import log_prob_func, policy_loss_func
+    from megatron_bridge.moe.routing import RoutingTap
+    from megatron_bridge.runtime.batch import ROUTED_EXPERTS
+    from megatron_bridge.runtime.model import BuildOptions
+    from tests.test_actor_update import LOSSES, make_batch
+
+    actor = _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), True)["actor"]
+    tap = RoutingTap(actor.chunks, actor.spec.moe_topk, sequence_parallel=False)
+    actor.forward_context = tap.micro_batch
+    batch = make_batch(checkpoint)
+    rows, width = batch["input_ids"].shape
+    passes = _count_passes(actor)
+    with tap.recording(rows, width, capture=True, replay=False, training=False) as captured:
+        actor.forward_only(batch, 4, partial(log_prob_func, 1.0, False))
+    out = {"capture": dict(passes.waits)}
+    passes.waits.clear()
+    with tap.recording(rows, width, capture=False, replay=True, training=True) as replayed:
+        actor.train_step({**batch, ROUTED_EXPERTS: captured.record.routing}, 4, partial(policy_loss_func, LOSSES["gspo"]))
+    out["replay"] = dict(passes.waits)
+    out["overridden"] = int(replayed.record.overridden_slots.sum())  # its own routing replayed: nothing changes
+    return out
+
+
+@pytest.mark.slow
+def test_the_routing_tap_reads_nothing_in_a_layer(tmp_path):
+    """Capturing and replaying (R2) with 2 and 6 layers: no data-dependent operation inside the
+    passes at all (before, about seven per layer and micro-batch: ``nonzero`` for the experts, the
+    valid tokens picked by a mask, the replayed experts checked per layer)."""
+    waits = _by_depth(tmp_path, _tap_waits)
+    assert waits[0] == waits[1] == {"capture": {}, "replay": {}, "overridden": 0}, waits
 
 
 @pytest.mark.slow

@@ -203,7 +203,8 @@ class RoutingTap:
         if self._pass["replay"] and ROUTED_EXPERTS in micro_batch:
             experts = micro_batch[ROUTED_EXPERTS].to(ends.device)
             per_token = experts[token_rows, token_positions.clamp(max=experts.shape[1] - 1)].long()
-            per_token[~(within & (token_positions < experts.shape[1]))] = NONE  # [tokens, layers, k]
+            replayable = within & (token_positions < experts.shape[1])
+            per_token = torch.where(replayable[:, None, None], per_token, NONE)  # [tokens, layers, k]
             _check_targets(per_token[:, [layer - 1 for layer in self.layers]], self.routers[0].num_experts,
                            [layer - 1 for layer in self.layers])
             for layer in self.layers:

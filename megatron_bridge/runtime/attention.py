@@ -134,10 +134,14 @@ class SDPAttention(MegatronModule):
             return out.reshape(query.shape[0], 1, -1)
         span = torch.arange(longest, device=query.device)
         index = (bounds[:-1, None] + span).clamp(max=query.shape[0] - 1)  # [rows, longest]
-        real = span < lengths[:, None]
         # past a row's end sit other rows' tokens; causal attention never lets the row's own see them
         q, k, v = (t[index].permute(0, 2, 1, 3) for t in (query, key, value))  # [rows, heads, longest, d]
-        out = self._attend(q, k, v).permute(0, 2, 1, 3)[real]  # the rows' own tokens, back to back
+        out = self._attend(q, k, v).permute(0, 2, 1, 3).flatten(0, 1)  # [rows * longest, heads, d]
+        # the rows' own tokens back to back, by their places in the padded rows (selecting them with
+        # a mask would read their number back from the device, in every layer)
+        tokens = torch.arange(query.shape[0], device=query.device)
+        row = torch.searchsorted(bounds, tokens, right=True) - 1
+        out = out.index_select(0, row * longest + tokens - bounds[row])
         return out.reshape(query.shape[0], 1, -1)
 
     def _attend_to_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
