@@ -15,7 +15,9 @@ A batch is a dict of tensors, one row per sequence: prompt then response, right-
 Response token j of row i is ``input_ids[i, prompt_lengths[i] + j]``. The actor passes every key
 through to the loss hook (``loss.megatron_hook``, which reads its inputs by these names) and adds
 to each micro-batch ``position_ids``, ``row_index`` (the rows' indices in the pass's batch) and
-``response_ends``, so that the routing tap reads the ends the actor cut the micro-batch with. A
+``response_ends``, so that the routing tap reads the ends the actor cut the micro-batch with; it
+cuts on the host and adds what would otherwise be read back from the device in the passes:
+``response_index`` (the loss's response tokens) and, packed, ``packed_seq_params``. A
 packed micro-batch (``use_remove_padding``) holds its rows' tokens up to their response ends back to
 back in ``input_ids`` [1, T], with ``sequence_starts`` and ``cu_seqlens``; the per-row keys keep
 their [b, ...] shapes. With context parallel every CP rank keeps the whole micro-batch and the model
