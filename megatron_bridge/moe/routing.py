@@ -205,8 +205,8 @@ class RoutingTap:
             per_token = experts[token_rows, token_positions.clamp(max=experts.shape[1] - 1)].long()
             replayable = within & (token_positions < experts.shape[1])
             per_token = torch.where(replayable[:, None, None], per_token, NONE)  # [tokens, layers, k]
-            _check_targets(per_token[:, [layer - 1 for layer in self.layers]], self.routers[0].num_experts,
-                           [layer - 1 for layer in self.layers])
+            mine = [layer - 1 for layer in self.layers]
+            _check_targets(per_token[:, mine], self.routers[0].num_experts, mine)
             for layer in self.layers:
                 targets[layer] = per_token[:, layer - 1]
         self._micro = _MicroBatch(micro_batch.get(ROW_INDEX), token_rows, token_positions, valid, targets)
