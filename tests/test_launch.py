@@ -560,6 +560,18 @@ def assert_stopped_by(launcher: Launcher, sig: int) -> str:
     return text
 
 
+def await_child_log(launcher: Launcher, name: str) -> None:
+    """Wait until the launcher's child opened its log ``name`` in the run's log directory: it has set
+    Ctrl-C aside by then (``to_file`` in launch/common.sh). A Ctrl-C in the instant before would end
+    that child before its command ran at all, leaving nothing to stop, which is not what a test of
+    the command in flight is after."""
+    (run_log,) = (launcher.tmp_path / "logs").iterdir()
+    deadline = time.monotonic() + HANG_S
+    while not (run_log / name).exists():
+        assert time.monotonic() < deadline, f"the launcher's child never opened {name}; {launcher.text[-2000:]}"
+        time.sleep(0.05)
+
+
 def job_status(launcher: Launcher) -> str:
     """The job's status from the head's dashboard (while the launcher is paused in its clean-up)."""
     job_id = launcher.wait_for("submitting job ").split("submitting job ")[1].split(":")[0]
@@ -584,13 +596,7 @@ def test_signal_before_ray_starts(start_launcher, sig, ctrl_c):
 def test_ctrl_c_while_ray_starts_stops_it(start_launcher):
     launcher = start_launcher(TINY, NNODES="1", LAUNCH_PAUSE_AT="ray_starting")
     launcher.pause_point("ray_starting")
-    # `ray start` is on its way up once its log is open: the launcher's child has set Ctrl-C aside by
-    # then. A Ctrl-C in the instant before would end that child before Ray starts at all (nothing to stop).
-    (run_log,) = (launcher.tmp_path / "logs").iterdir()
-    deadline = time.monotonic() + HANG_S
-    while not (run_log / "ray_head.log").exists():
-        assert time.monotonic() < deadline, f"`ray start` never opened its log; {launcher.text[-2000:]}"
-        time.sleep(0.05)
+    await_child_log(launcher, "ray_head.log")  # `ray start` is on its way up
     launcher.signal(signal.SIGINT, ctrl_c=True)
     assert "stopping this node's Ray" in assert_stopped_by(launcher, signal.SIGINT)
 
@@ -642,6 +648,7 @@ def test_ctrl_c_during_the_submission_stops_the_job_it_submitted(start_launcher)
     does not cut it short, and the exit status is the first signal's."""
     launcher = start_launcher(TINY, NNODES="1", LAUNCH_PAUSE_AT="submitting,cleanup")
     launcher.pause_point("submitting")
+    await_child_log(launcher, "job.log")  # `ray job submit` is in flight
     launcher.signal(signal.SIGINT, ctrl_c=True)
     launcher.pause_point("cleanup")  # the job is stopped, this node's Ray still up
     assert job_status(launcher) == "STOPPED"
