@@ -151,7 +151,7 @@ def test_the_permutation_does_not_synchronise_on_a_gpu(permutes):
 
 def _step_runs(checkpoint: str, platform_name: str, options, pack: bool, micro_batch_size: int = 4) -> dict:
     """A tiny actor's train step and log-prob pass on one batch of 8 rows in micro-batches of
-    ``micro_batch_size``, after a step that warms it up; "actor": the actor."""
+    ``micro_batch_size``, after a step that warms it up; "actor" and "batch": the actor and the batch."""
     from loss.megatron_hook import log_prob_func, policy_loss_func
     from megatron_bridge.plan.layout import TrainParallel
     from megatron_bridge.plan.model_spec import load_model_spec
@@ -167,7 +167,7 @@ def _step_runs(checkpoint: str, platform_name: str, options, pack: bool, micro_b
     train = partial(actor.train_step, batch, micro_batch_size, partial(policy_loss_func, LOSSES["gspo"]))
     train()
     return {"train": train, "log_prob": partial(actor.forward_only, batch, micro_batch_size,
-                                                partial(log_prob_func, 1.0, False)), "actor": actor}
+                                                partial(log_prob_func, 1.0, False)), "actor": actor, "batch": batch}
 
 
 def _by_depth(tmp_path, fn, *args, platform_name: str = "cpu") -> list:
@@ -187,12 +187,12 @@ def _step_waits(rank, world_size, checkpoint, pack):
     from megatron_bridge.runtime.model import BuildOptions
 
     runs = _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), pack)
-    passes = _count_passes(runs.pop("actor"))
+    passes = _count_passes(runs["actor"])
     out = {}
-    for name, run in runs.items():
+    for name in ("train", "log_prob"):
         passes.waits.clear()
         with OpNames() as ops:
-            run()
+            runs[name]()
         out[name] = dict(ops.waits)
         out[f"{name} passes"] = dict(passes.waits)
     return out
@@ -218,12 +218,12 @@ def _tap_waits(rank, world_size, checkpoint):
     from megatron_bridge.moe.routing import RoutingTap
     from megatron_bridge.runtime.batch import ROUTED_EXPERTS
     from megatron_bridge.runtime.model import BuildOptions
-    from tests.test_actor_update import LOSSES, make_batch
+    from tests.test_actor_update import LOSSES
 
-    actor = _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), True)["actor"]
+    runs = _step_runs(checkpoint, "cpu", BuildOptions(params_dtype=torch.float32, dispatcher="alltoall"), True)
+    actor, batch = runs["actor"], runs["batch"]
     tap = RoutingTap(actor.chunks, actor.spec.moe_topk, sequence_parallel=False)
     actor.forward_context = tap.micro_batch
-    batch = make_batch(checkpoint)
     rows, width = batch["input_ids"].shape
     passes = _count_passes(actor)
     with tap.recording(rows, width, capture=True, replay=False, training=False) as captured:
@@ -275,9 +275,8 @@ def _gpu_step_syncs(rank, world_size, checkpoint, micro_batch_sizes=(4,)):
     out = []
     for size in micro_batch_sizes:
         runs = _step_runs(checkpoint, "cuda", BuildOptions(), True, size)
-        runs.pop("actor")
-        out.append({name: host_syncs(run) for name, run in runs.items()})
-    return out[0] if len(out) == 1 else out
+        out.append({name: host_syncs(runs[name]) for name in ("train", "log_prob")})
+    return out
 
 
 @pytest.mark.gpu
@@ -288,7 +287,7 @@ def test_on_a_gpu_a_layer_waits_once_a_pass(tmp_path):
     waits more in the train step (backward runs no dispatcher) and 8 in the log-prob pass."""
     syncs = _by_depth(tmp_path, _gpu_step_syncs, platform_name="cuda")
     for name in ("train", "log_prob"):
-        (shallow, _), (deep, _) = syncs[0][name], syncs[1][name]
+        (shallow, _), (deep, _) = syncs[0][0][name], syncs[1][0][name]
         assert deep - shallow == 4 * 2, (name, syncs)
 
 

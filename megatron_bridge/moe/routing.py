@@ -28,7 +28,8 @@ from typing import Iterator
 import torch
 
 from megatron_bridge.moe.table import NONE, ROUTING_DTYPE, RoutingRecord, changed_slots, empty_routing
-from megatron_bridge.runtime.batch import HELD_POSITIONS, RESPONSE_ENDS, ROUTED_EXPERTS, ROW_INDEX, SEQUENCE_STARTS
+from megatron_bridge.runtime.batch import (HELD_POSITIONS, RESPONSE_ENDS, ROUTED_EXPERTS, ROW_INDEX, SEQUENCE_STARTS,
+                                           packed_places)
 
 
 _wrapped = False
@@ -296,8 +297,7 @@ def _router_tokens(micro_batch: dict[str, torch.Tensor], seq_len: int,
         rows = len(ends)
         token_rows = torch.arange(rows, device=ends.device).repeat(len(span))
         return token_rows, span.repeat_interleave(rows), torch.ones_like(token_rows, dtype=torch.bool)
-    token_rows = torch.searchsorted(starts, span, right=True) - 1
-    positions = span - starts[token_rows]
+    token_rows, positions = packed_places(starts, span)
     last = starts[-1] + ends[-1].clamp(min=1)  # the packed sequence ends there, padding follows
     return token_rows, positions, span < last
 

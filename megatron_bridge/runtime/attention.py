@@ -40,6 +40,7 @@ from megatron.core.utils import divide
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron_bridge.runtime import context_parallel
+from megatron_bridge.runtime.batch import packed_places
 
 
 class SDPAttention(MegatronModule):
@@ -139,9 +140,8 @@ class SDPAttention(MegatronModule):
         out = self._attend(q, k, v).permute(0, 2, 1, 3).flatten(0, 1)  # [rows * longest, heads, d]
         # the rows' own tokens back to back, by their places in the padded rows (selecting them with
         # a mask would read their number back from the device, in every layer)
-        tokens = torch.arange(query.shape[0], device=query.device)
-        row = torch.searchsorted(bounds, tokens, right=True) - 1
-        out = out.index_select(0, row * longest + tokens - bounds[row])
+        row, position = packed_places(bounds, torch.arange(query.shape[0], device=query.device))
+        out = out.index_select(0, row * longest + position)
         return out.reshape(query.shape[0], 1, -1)
 
     def _attend_to_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

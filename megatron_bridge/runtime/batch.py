@@ -106,6 +106,13 @@ def response_ends(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch[PROMPT_LENGTHS] + torch.where(mask.any(dim=1), last, 0)
 
 
+def packed_places(starts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``tokens`` (positions on a packed sequence's axis) and the ascending ``starts`` of its
+    parts: each token's part and its position within that part."""
+    part = torch.searchsorted(starts, tokens, right=True) - 1
+    return part, tokens - starts[part]
+
+
 def token_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[rows, width] bool: the positions the model reads (prompt and response, not the padding)."""
     return torch.arange(batch[INPUT_IDS].shape[1]) < response_ends(batch)[:, None]

@@ -186,6 +186,7 @@ def _cover_packed_rope() -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
     from megatron_bridge.runtime import context_parallel
+    from megatron_bridge.runtime.batch import packed_places
 
     original = rope_utils._apply_rotary_pos_emb_thd
 
@@ -193,8 +194,7 @@ def _cover_packed_rope() -> None:
     def apply_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
         tokens = context_parallel.held(t.shape[0] * parallel_state.get_context_parallel_world_size(), cu_seqlens,
                                        device=t.device)
-        sequence = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
-        positions = tokens - cu_seqlens[sequence]
+        _, positions = packed_places(cu_seqlens, tokens)
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
