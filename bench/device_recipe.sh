@@ -2,8 +2,8 @@
 # The main job on one GPU, in one go (docs/bench_device.md, "The main job on one GPU"): where a
 # step's time goes (phases, the workers' share, torch.profiler's tables of one step), the gpu-marked tests (the
 # main job learning, resuming and exporting on the GPU among them), the engine's weights kept on the
-# device against moved to the host each step, micro-batches of 32 rows against 8, and the
-# long-response task.
+# device against moved to the host each step, one micro-batch a pass (the README's command) against
+# 16 of 8 rows (the command the first H100 run measured), and the long-response task.
 #
 #   bash bench/device_recipe.sh pack    # here (network, megatron-core 0.12.1 installed): writes build/device/
 #                                       # megatron-core as a tarball, Ray as a trimmed wheel and the small
@@ -68,7 +68,8 @@ unpack_missing() {
 run() {
   local out=${OUT:-build/device/out_recipe} platform=${PLATFORM:-cuda} steps=${STEPS:-8} site
   local deadline=$((SECONDS + ${TOTAL_TIMEOUT:-540}))
-  local -a one=("trainer.device=$platform" "trainer.n_gpus_per_node=1" "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1")
+  local -a one=("trainer.device=$platform" "trainer.n_gpus_per_node=1" "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"
+                "actor_rollout_ref.actor.use_dynamic_bsz=true")
   mkdir -p "$out"
   site=$(mktemp -d /tmp/site.XXXXXX)
   {
@@ -95,8 +96,7 @@ run() {
   item gpu_tests 300 python -m pytest -o addopts=-ra -p no:cacheprovider -m gpu -q -s --durations=5 tests/
   item phases_free_cache_engine 150 python bench/recipe_phases.py --steps 6 "${one[@]}" \
     actor_rollout_ref.rollout.free_cache_engine=true
-  item phases_micro32 150 python bench/recipe_phases.py --steps 6 "${one[@]}" \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32
+  item phases_micro8 150 python bench/recipe_phases.py --steps 6 "${one[@]}" actor_rollout_ref.actor.use_dynamic_bsz=false
   item phases_long 150 python bench/recipe_phases.py --config configs/recipe/tiny_long.yaml --steps 4 "${one[@]}"
   # last: on an H100 the steps after a profiled one took 2.9-3.2 s against 2.2 s in an unprofiled
   # run (torch.profiler's CUDA tracing may stay attached to the worker), so it runs after the rest

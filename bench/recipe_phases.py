@@ -11,7 +11,7 @@ worker's peak memory. ``--profile FILE``: torch.profiler over the workers' secon
 operator and kernel tables written to FILE. On one GPU:
 
     python bench/recipe_phases.py --steps 8 trainer.device=cuda trainer.n_gpus_per_node=1 \
-        actor_rollout_ref.actor.megatron.expert_model_parallel_size=1
+        actor_rollout_ref.actor.megatron.expert_model_parallel_size=1 actor_rollout_ref.actor.use_dynamic_bsz=true
 """
 
 from __future__ import annotations
@@ -115,9 +115,16 @@ def report(history: list[dict], cfg, args: argparse.Namespace, load_before: floa
         f"- rollout engine {cfg.actor_rollout_ref.rollout.name}, "
         f"{'gives its device memory back while training' if cfg.actor_rollout_ref.rollout.free_cache_engine else 'keeps its weights on the device'} "
         f"(free_cache_engine={str(cfg.actor_rollout_ref.rollout.free_cache_engine).lower()}); "
-        f"dtype {cfg.actor_rollout_ref.model.dtype}, micro-batch {cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}",
+        f"dtype {cfg.actor_rollout_ref.model.dtype}; {micro_batches(cfg.actor_rollout_ref.actor)}",
     ]
     return "\n".join(lines)
+
+
+def micro_batches(actor) -> str:
+    """How the actor's train pass is cut: rows, or dynamic batch size's token budget."""
+    if actor.use_dynamic_bsz:
+        return f"micro-batches by token budget (use_dynamic_bsz, {actor.ppo_max_token_len_per_gpu:,} tokens)"
+    return f"micro-batches of {actor.ppo_micro_batch_size_per_gpu} rows"
 
 
 def len_rows(cfg) -> int:

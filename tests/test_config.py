@@ -437,7 +437,8 @@ def test_hybrid_engine_with_the_trainers_pool_spelt_out_stays_colocated():
 
 def test_the_documented_one_gpu_commands_load():
     """The one-GPU commands of the README and docs/recipe.md, as written there, give a valid config on
-    one CUDA device with the transformers engine (vLLM is not installed here)."""
+    one CUDA device with the transformers engine (vLLM is not installed here), and one micro-batch
+    a pass (dynamic batch size: a GPU pays a launch per operation of every micro-batch)."""
     import re
     import shlex
 
@@ -450,6 +451,10 @@ def test_the_documented_one_gpu_commands_load():
         _, config, *overrides = shlex.split(command)
         cfg = load_config(config, overrides)
         assert (cfg.layout.cluster.device, cfg.layout.cluster.world_size, cfg.actor_rollout_ref.rollout.name) == ("cuda", 1, "hf")
+        arr = cfg.actor_rollout_ref
+        widest = cfg.data.train_batch_size * arr.rollout.n * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+        assert arr.actor.use_dynamic_bsz and arr.rollout.log_prob_use_dynamic_bsz, command
+        assert widest <= min(arr.actor.ppo_max_token_len_per_gpu, arr.rollout.log_prob_max_token_len_per_gpu), command
 
 
 def test_npu_context_parallel_with_packing_is_refused_at_load():
