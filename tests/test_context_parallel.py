@@ -82,3 +82,45 @@ def test_mindspeeds_ulysses_and_hybrid_splits():
     # and 3, chunks 1 and 2), each cut in two contiguous parts
     assert [context_parallel.held(16, cp=4, rank=r, ulysses=2).tolist() for r in range(4)] == [
         [0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def _chunk_by_chunk(bounds: list[int], cp: int, rank: int, ulysses: int) -> list[int]:
+    """The split as it is defined: every part cut into 2 x ring chunks (ring = CP / ulysses; one
+    chunk without a ring), the ring rank's two chunks joined, the rank's contiguous cut of them."""
+    ring = cp // ulysses
+    chunks = 2 * ring if ring > 1 else 1
+    held = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        size = (end - start) // chunks
+        share = [start + c * size + i for c in ([rank // ulysses, chunks - 1 - rank // ulysses] if ring > 1 else [0])
+                 for i in range(size)]
+        cut = len(share) // ulysses
+        held += share[rank % ulysses * cut:(rank % ulysses + 1) * cut]
+    return held
+
+
+@pytest.mark.parametrize("cp,ulysses", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (8, 4), (6, 3)])
+def test_the_split_computed_at_once_is_the_chunk_by_chunk_one(cp, ulysses):
+    unit = (2 * (cp // ulysses) if cp > ulysses else 1) * ulysses
+    gen = torch.Generator().manual_seed(cp * 10 + ulysses)
+    for _ in range(20):
+        parts = (torch.randint(0, 4, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen) * unit).tolist()
+        parts[0] += unit  # empty parts (anywhere else) included
+        bounds = [0] + torch.tensor(parts).cumsum(0).tolist()
+        for rank in range(cp):
+            want = _chunk_by_chunk(bounds, cp, rank, ulysses)
+            assert context_parallel.held(bounds[-1], torch.tensor(bounds), cp, rank, ulysses=ulysses).tolist() == want
+            if len(parts) == 1:
+                assert context_parallel.held(bounds[-1], None, cp, rank, ulysses=ulysses).tolist() == want
+
+
+def test_the_split_reads_nothing_from_boundaries_on_a_device():
+    """The layers (the K/V gather, the rotary cover) split by the micro-batch's boundaries on the
+    device: computed there without a read (a tensor on the meta device has no values to read; the
+    check that each part splits evenly runs where the boundaries are on the host)."""
+    bounds = torch.tensor([0, 8, 8, 20], device="meta")
+    assert context_parallel.held(20, bounds, cp=2, rank=1).shape == (10,)
+    assert context_parallel.held(32, torch.tensor([0, 16, 32], device="meta"), cp=4, rank=3, ulysses=2).shape == (8,)
+    assert context_parallel.held(16, cp=2, rank=0, device=torch.device("meta")).shape == (8,)  # one sequence
+    with pytest.raises(ValueError, match="a sequence of 6 tokens does not split into 4 equal chunks"):
+        context_parallel.held(14, torch.tensor([0, 8, 14]), cp=2, rank=0)

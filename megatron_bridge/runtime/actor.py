@@ -450,14 +450,18 @@ def _packed(batch: dict[str, torch.Tensor], rows: torch.Tensor, seq_len: int, en
 
 def _packed_seq_params(bounds: torch.Tensor, host_bounds: torch.Tensor):
     """megatron's description of a packed micro-batch (``thd``) with the sequence boundaries
-    ``bounds`` (``host_bounds``: the same in host memory, for the longest part). Every row's
-    part is already padded (to a multiple of 2 x CP under context parallel), so the padded
-    boundaries that TE's and MindSpeed's CP attention split by are the boundaries themselves."""
+    ``bounds`` (``host_bounds``: the same in host memory, for the longest part, and kept as
+    ``host_bounds``, a tuple of ints, for the context-parallel attention's loop over the
+    sequences, which would otherwise read them back in every layer). Every row's part is already
+    padded (to a multiple of 2 x CP under context parallel), so the padded boundaries that TE's
+    and MindSpeed's CP attention split by are the boundaries themselves."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     longest = int((host_bounds[1:] - host_bounds[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
-                           cu_seqlens_kv_padded=bounds, max_seqlen_q=longest, max_seqlen_kv=longest)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
+                             cu_seqlens_kv_padded=bounds, max_seqlen_q=longest, max_seqlen_kv=longest)
+    params.host_bounds = tuple(host_bounds.tolist())
+    return params
 
 
 def _optimizers(optimizer) -> list:

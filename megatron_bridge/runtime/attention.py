@@ -100,8 +100,9 @@ class SDPAttention(MegatronModule):
     def _packed_context_parallel(self, query, key, value, packed: PackedSeqParams) -> torch.Tensor:
         """``thd`` with each sequence split over CP (``cu_seqlens_q``: the whole packed sequence's
         boundaries): each of this rank's chunks attends to its own sequence's keys up to the chunk's
-        end, one sequence at a time (CP is for few long sequences)."""
-        bounds = packed.cu_seqlens_q.tolist()
+        end, one sequence at a time (CP is for few long sequences). The loop takes the boundaries
+        from the host where the actor put them there (``host_bounds``)."""
+        bounds = getattr(packed, "host_bounds", None) or packed.cu_seqlens_q.tolist()
         key, value = (context_parallel.gather_sequence(t, query.shape[0] * self.cp, packed.cu_seqlens_q)
                       for t in (key, value))
         outs, row = [], 0

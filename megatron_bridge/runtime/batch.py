@@ -55,7 +55,8 @@ HELD_POSITIONS = "held_positions"  # [s / CP]: the (packed) sequence positions t
 # ... and, computed on the host where reading values is free, what the passes would otherwise read
 # back from the device
 RESPONSE_INDEX = "response_index"  # [3, N]: the loss's response tokens (loss.megatron_hook.response_token_index)
-PACKED_SEQ_PARAMS = "packed_seq_params"  # megatron's PackedSeqParams of a packed micro-batch (not a tensor)
+# megatron's PackedSeqParams of a packed micro-batch (not a tensor; its host_bounds: the boundaries as ints)
+PACKED_SEQ_PARAMS = "packed_seq_params"
 
 
 class ReplayMode(str, Enum):

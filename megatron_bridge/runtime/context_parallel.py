@@ -50,7 +50,12 @@ def held(seq_len: int, cu_seqlens: torch.Tensor | None = None, cp: int | None = 
     in the order it holds them (default: this rank of megatron's CP group). ``cu_seqlens``: the
     boundaries of a packed sequence's parts, each split on its own. ``ulysses`` (``ulysses_degree``):
     MindSpeed's split, the load-balanced one over CP / ``ulysses`` ring ranks (rank // ulysses),
-    each ring rank's share then cut in ``ulysses`` contiguous parts (rank % ulysses)."""
+    each ring rank's share then cut in ``ulysses`` contiguous parts (rank % ulysses).
+
+    Computed from the boundaries where they are, without reading them: the layers call this with
+    the micro-batch's boundaries on the device, where a read would make the host wait in every
+    layer. That each part splits evenly is checked where they are on the host (the actor cuts its
+    micro-batches there)."""
     if cp is None or rank is None:
         cp, rank = cp_size_rank()
     if device is None:
@@ -59,18 +64,30 @@ def held(seq_len: int, cu_seqlens: torch.Tensor | None = None, cp: int | None = 
         return torch.arange(seq_len, device=device)
     ring, ring_rank, part = cp // ulysses, rank // ulysses, rank % ulysses
     chunks = 2 * ring if ring > 1 else 1
-    mine = [ring_rank, chunks - 1 - ring_rank] if ring > 1 else [0]
-    bounds = [0, seq_len] if cu_seqlens is None else [int(b) for b in cu_seqlens]
-    pieces = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if (end - start) % (chunks * ulysses):
-            raise ValueError(f"context parallel: a sequence of {end - start} tokens does not split into "
-                             f"{chunks * ulysses} equal chunks for CP = {cp} (the actor pads every sequence to a "
-                             f"multiple of {chunks * ulysses})")
-        chunk = (end - start) // chunks
-        share = torch.cat([torch.arange(start + i * chunk, start + (i + 1) * chunk, device=device) for i in mine])
-        pieces.append(share.view(ulysses, -1)[part])
-    return torch.cat(pieces)
+    if cu_seqlens is None:  # made where they are used: a copy up would wait for the device too
+        starts = torch.zeros(1, dtype=torch.long, device=device)
+        lengths = torch.full((1,), seq_len, dtype=torch.long, device=device)
+        on_host = [seq_len]
+    else:
+        starts, lengths = cu_seqlens[:-1].to(device), (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+        on_host = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens.device.type == "cpu" else []
+    uneven = [n for n in on_host if n % (chunks * ulysses)]
+    if uneven:
+        raise ValueError(f"context parallel: a sequence of {uneven[0]} tokens does not split into "
+                         f"{chunks * ulysses} equal chunks for CP = {cp} (the actor pads every sequence to a "
+                         f"multiple of {chunks * ulysses})")
+    # The ring rank holds chunks ring_rank and chunks - 1 - ring_rank of every part (the whole part
+    # without a ring), this rank the part-th of ulysses contiguous cuts of that: lengths / CP tokens
+    # of each part, the parts in order.
+    chunk, mine = lengths // chunks, lengths // cp
+    first_mine = torch.cumsum(mine, 0) - mine
+    index = torch.arange(seq_len // cp, device=device)
+    # which part each of this rank's tokens is in (an empty part starts where the next one does)
+    of = torch.searchsorted(first_mine, index, right=True) - 1
+    in_share = part * mine[of] + index - first_mine[of]  # its place in the ring rank's two chunks
+    later = in_share >= chunk[of]
+    which = torch.where(later, chunks - 1 - ring_rank, ring_rank)
+    return starts[of] + which * chunk[of] + torch.where(later, in_share - chunk[of], in_share)
 
 
 def _group():
