@@ -69,8 +69,9 @@ def held(seq_len: int, cu_seqlens: torch.Tensor | None = None, cp: int | None = 
         lengths = torch.full((1,), seq_len, dtype=torch.long, device=device)
         on_host = [seq_len]
     else:
-        starts, lengths = cu_seqlens[:-1].to(device), (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
-        on_host = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens.device.type == "cpu" else []
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        on_host = lengths.tolist() if cu_seqlens.device.type == "cpu" else []
+        starts, lengths = cu_seqlens[:-1].to(device), lengths.to(device)
     uneven = [n for n in on_host if n % (chunks * ulysses)]
     if uneven:
         raise ValueError(f"context parallel: a sequence of {uneven[0]} tokens does not split into "
@@ -127,4 +128,4 @@ def gather_sequence(local: torch.Tensor, seq_len: int, cu_seqlens: torch.Tensor 
     every = torch.cat([held(seq_len, cu_seqlens, cp, r, local.device) for r in range(cp)])
     order = torch.empty_like(every)
     order[every] = torch.arange(seq_len, device=local.device)  # sequence position -> index in the gather
-    return _GatherSequence.apply(local, held(seq_len, cu_seqlens, cp, rank, local.device), order)
+    return _GatherSequence.apply(local, every.view(cp, -1)[rank], order)  # each rank holds seq_len / CP
