@@ -68,8 +68,7 @@ unpack_missing() {
 run() {
   local out=${OUT:-build/device/out_recipe} platform=${PLATFORM:-cuda} steps=${STEPS:-8} site
   local deadline=$((SECONDS + ${TOTAL_TIMEOUT:-540}))
-  local -a one=("trainer.device=$platform" "trainer.n_gpus_per_node=1" "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"
-                "actor_rollout_ref.actor.use_dynamic_bsz=true")
+  local -a one=("trainer.device=$platform" "trainer.n_gpus_per_node=1" "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1")
   mkdir -p "$out"
   site=$(mktemp -d /tmp/site.XXXXXX)
   {
@@ -97,7 +96,8 @@ run() {
   item phases_free_cache_engine 150 python bench/recipe_phases.py --steps 6 "${one[@]}" \
     actor_rollout_ref.rollout.free_cache_engine=true
   item phases_micro8 150 python bench/recipe_phases.py --steps 6 "${one[@]}" actor_rollout_ref.actor.use_dynamic_bsz=false
-  item phases_long 150 python bench/recipe_phases.py --config configs/recipe/tiny_long.yaml --steps 4 "${one[@]}"
+  item phases_long 150 python bench/recipe_phases.py --config configs/recipe/tiny_long.yaml --steps 4 "${one[@]}" \
+    actor_rollout_ref.actor.use_dynamic_bsz=true
   # last: on an H100 the steps after a profiled one took 2.9-3.2 s against 2.2 s in an unprofiled
   # run (torch.profiler's CUDA tracing may stay attached to the worker), so it runs after the rest
   item profile 150 python bench/recipe_phases.py --steps 3 --profile "$out/profile.txt" "${one[@]}"

@@ -11,7 +11,7 @@ worker's peak memory. ``--profile FILE``: torch.profiler over the workers' secon
 operator and kernel tables written to FILE. On one GPU:
 
     python bench/recipe_phases.py --steps 8 trainer.device=cuda trainer.n_gpus_per_node=1 \
-        actor_rollout_ref.actor.megatron.expert_model_parallel_size=1 actor_rollout_ref.actor.use_dynamic_bsz=true
+        actor_rollout_ref.actor.megatron.expert_model_parallel_size=1
 """
 
 from __future__ import annotations

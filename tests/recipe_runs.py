@@ -20,13 +20,6 @@ TINY = {"gspo": "configs/recipe/tiny_gspo.yaml", "grpo": "configs/recipe/tiny_gr
 # metrics that measure the machine, not the computation; on the CPU the train-rollout gap is fp32
 # rounding between two kernels (1e-7..1e-6), which changes with the rows each rank's passes hold
 VOLATILE = ("timing_s/", "perf/", "reshard/export_s", "training/rollout_", "rollout_corr/")
-# Fewer, larger micro-batches than the tiny recipes' 8 rows: for runs that test a flow (signals, async
-# schedules and faults, the comparison, the launcher) rather than the update, half the step's time
-# (2 micro-batches of the update a rank instead of 8, one log-prob pass instead of 8). The main job
-# keeps the recipe's 8 rows; splits are tested in tests/test_actor_update.py.
-QUICK = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
-         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
-         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64"]
 # One training rank instead of the recipe's two (EP2): for runs whose subject is not the training pool
 # (the rollout pool's faults, a signal's stop, a comparison's report); a rank fewer is about 5 s of CPU
 # (its imports and set-up) per run. The two-rank pool runs in the main job and the other end-to-end tests.
@@ -56,16 +49,16 @@ def stable(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith(VOLATILE)}
 
 
-def start_trainer(tmp_path: Path, name: str, overrides: list[str], config: str = TINY["gspo"], quick: bool = True):
+def start_trainer(tmp_path: Path, name: str, overrides: list[str], config: str = TINY["gspo"]):
     """The trainer of ``config`` (by default the tiny GSPO recipe) with ``overrides``, started (its
     workers up) in this process under ``tmp_path / name``: no validation, no checkpoints unless the
-    overrides ask, ``QUICK``'s micro-batches unless ``quick`` is false (then the recipe's own)."""
+    overrides ask."""
     from recipe.config import load_config
     from recipe.driver.trainer import Trainer
 
     cfg = load_config(str(REPO / config), [f"trainer.default_local_dir={tmp_path / name}",
                                                   "trainer.val_before_train=false", "trainer.save_freq=-1",
-                                                  "trainer.test_freq=-1", *(QUICK if quick else ()), *overrides])
+                                                  "trainer.test_freq=-1", *overrides])
     trainer = Trainer(cfg)
     trainer.start()
     return trainer
@@ -101,12 +94,11 @@ def split_tolerances(metrics: dict, cfg) -> dict[str, float]:
             "actor/grad_norm": metrics["actor/grad_norm"] * rounding(1.0, 2 * terms)}
 
 
-def train_in_process(tmp_path: Path, name: str, overrides: list[str], config: str = TINY["gspo"],
-                     quick: bool = True) -> dict[int, dict]:
+def train_in_process(tmp_path: Path, name: str, overrides: list[str], config: str = TINY["gspo"]) -> dict[int, dict]:
     """A whole run by ``start_trainer``'s trainer, its metrics by step: for tests of what a run
     computes rather than what the command prints (with ``local_ray``, the module's runs share one
     Ray and this process's imports)."""
-    trainer = start_trainer(tmp_path, name, overrides, config, quick)
+    trainer = start_trainer(tmp_path, name, overrides, config)
     try:
         trainer.fit()
     finally:

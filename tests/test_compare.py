@@ -17,7 +17,7 @@ from recipe.config import load_config
 from recipe.compare.runs import _seeds, effective_config, finished, plan_runs, read_training_pool, run_comparison
 from recipe.compare.variants import VARIANT_FILE, variant_overrides
 from recipe.tracking.loggers import read_jsonl
-from tests.recipe_runs import ONE_TRAIN_RANK, QUICK, main_in_process
+from tests.recipe_runs import ONE_TRAIN_RANK, main_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_POOL = (1, 2)  # the tiny recipes' training pool: one node, two CPU ranks
@@ -194,14 +194,12 @@ def test_the_stability_presets_run_in_a_comparison(tmp_path, capsys):
     2e-5 at least); under the off-policy preset, at matching precision, it does not. The off-policy
     comparison's variants see the same prompts in the same order and the same initial weights (from
     their logs), replay is on in one only, and run again, nothing is re-run. The triggers, not the
-    training pool, are the subject: one training rank and larger micro-batches."""
+    training pool, are the subject: one training rank and one micro-batch a pass (dynamic batch size)."""
     short = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",
-             "trainer.val_before_train=false", *ONE_TRAIN_RANK, *QUICK]
-    # the off-policy preset's optimizer step on one rank: 2 prompts x 8 responses, one micro-batch
-    micro = {"gap": [], "offpolicy": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]}
+             "trainer.val_before_train=false", *ONE_TRAIN_RANK, "actor_rollout_ref.actor.use_dynamic_bsz=true"]
     for preset, variants in (("gap", "grpo_tis"), ("offpolicy", "grpo,gspo_r2")):
         args = ["--config", f"configs/recipe/tiny_stability_{preset}.yaml", "--variants", variants,
-                "--out", str(tmp_path / preset), *short, *micro[preset]]
+                "--out", str(tmp_path / preset), *short]
         out = _compare(*args)
         assert out.returncode == 0, out.stderr[-3000:]
         summary = json.loads((tmp_path / preset / "report" / "summary.json").read_text())
@@ -241,7 +239,7 @@ def test_async_variants_are_compared_with_their_synchronous_run(tmp_path):
     variants = ["gspo", "gspo_async1", "gspo_async2"]
     args = ["--config", "configs/recipe/tiny_gspo.yaml", "--variants", ",".join(variants), "--out", str(tmp_path),
             "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1",
-            "trainer.val_before_train=false", *ONE_TRAIN_RANK, *QUICK]
+            "trainer.val_before_train=false", *ONE_TRAIN_RANK]
     out = _compare(*args)
     assert out.returncode == 0, out.stderr[-3000:]
     sync, off, two = (read_jsonl(str(tmp_path / v / "seed_1" / "metrics.jsonl")) for v in variants)
@@ -280,7 +278,7 @@ def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
     where a re-run resumes, no traceback; the same command again resumes that run from its checkpoint."""
     args = ["--config", "configs/recipe/tiny_grpo.yaml", "--variants", "grpo", "--out", str(tmp_path),
             "trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.save_freq=1",
-            "trainer.val_before_train=false", *ONE_TRAIN_RANK, *QUICK]
+            "trainer.val_before_train=false", *ONE_TRAIN_RANK]
     proc = subprocess.Popen([sys.executable, "-m", "recipe.compare", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

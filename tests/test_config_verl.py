@@ -150,8 +150,10 @@ def test_log_prob_passes_take_the_actors_dynamic_batch_size_unless_set():
                              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024"]).actor_rollout_ref
     assert arr.ref.log_prob_use_dynamic_bsz is False and arr.ref.log_prob_max_token_len_per_gpu == 16384
     assert arr.rollout.log_prob_use_dynamic_bsz is True and arr.rollout.log_prob_max_token_len_per_gpu == 1024
-    plain = load_config(TINY).actor_rollout_ref
+    plain = load_config(TINY, ["actor_rollout_ref.actor.use_dynamic_bsz=false"]).actor_rollout_ref
     assert plain.rollout.log_prob_use_dynamic_bsz is False and plain.ref.log_prob_use_dynamic_bsz is False
+    tiny = load_config(TINY).actor_rollout_ref  # the tiny recipe's own: one micro-batch a pass
+    assert tiny.actor.use_dynamic_bsz and tiny.rollout.log_prob_use_dynamic_bsz and tiny.ref.log_prob_use_dynamic_bsz
 
 
 def test_gradient_checkpointing_turns_on_full_recompute_where_the_layout_has_none():

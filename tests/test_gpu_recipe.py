@@ -16,7 +16,7 @@ from recipe.tracking.loggers import read_jsonl
 from tests.recipe_runs import run_main
 
 ONE_GPU = ["--config", "configs/recipe/tiny_gspo.yaml", "trainer.device=cuda", "trainer.n_gpus_per_node=1",
-           "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+           "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"]
 STEPS = 20
 # The issue that brought the engine to CUDA measured -0.84 -> +0.80 over these 20 steps on an H100;
 # the CPU's 50-step job rises by more than 1.3 (tests/test_recipe_learning.py RISE_MARGIN is 0.3 there too).

@@ -26,14 +26,14 @@ import yaml
 from recipe.config import load_config
 from recipe.tracking.loggers import read_jsonl
 from tests.distributed import free_port
-from tests.recipe_runs import EP1, QUICK, assert_same_step
+from tests.recipe_runs import EP1, assert_same_step
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").glob("*.sh"))
 GSPO_30B = "launch/qwen3_30b_a3b_gspo.sh"
 TINY = "launch/tiny_gspo.sh"
-# Short runs: 2 RL steps, no validation, QUICK's micro-batches.
-TINY_ARGS = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false", *QUICK]
+# Short runs: 2 RL steps, no validation.
+TINY_ARGS = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
 HANG_S = 600  # the limit on anything a launcher test waits for: only a hang reaches it
 TAG = "MOE_RL_TEST_LAUNCH"  # in a launcher's environment, so in that of everything it starts
 
@@ -490,7 +490,7 @@ def test_a_failed_job_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path):
         "        raise RuntimeError('planted failure after the step-2 checkpoint')\n"
         "    return default_compute_score(data_source, solution_str, ground_truth, extra_info)\n")
     args = ["trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", f"custom_reward_function.path={reward}", *QUICK, EP1]
+            "trainer.val_before_train=false", f"custom_reward_function.path={reward}", EP1]
     out = launch(TINY, tmp_path, args, NNODES="1", NPUS_PER_NODE="1", MAX_RESTARTS="1", ROLLOUT_NNODES="1",
                  ROLLOUT_NPUS_PER_NODE="1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -74,7 +74,7 @@ def test_the_long_preset_runs_with_worked_out_responses_and_alike_under_cp2(tmp_
     the planner says CP1 exceeds is refused at load with CP1 and runs with CP2 (both at the recipe's
     micro-batches, which the budget is planned for)."""
     steps = ["trainer.total_training_steps=2"]
-    history = train_in_process(tmp_path, "long", steps, "configs/recipe/tiny_long.yaml", quick=False)
+    history = train_in_process(tmp_path, "long", steps, "configs/recipe/tiny_long.yaml")
     for step in (1, 2):
         m = history[step]
         assert 40 < m["response_length/mean"] < 56 and m["response_length/clip_ratio"] < 0.1, m
@@ -84,7 +84,7 @@ def test_the_long_preset_runs_with_worked_out_responses_and_alike_under_cp2(tmp_
     with pytest.raises(ConfigError, match=r"memory.train_fits.*12.35 MiB per device"):
         load_config("configs/recipe/tiny_long.yaml", [budget])
     cp2 = train_in_process(tmp_path, "long_cp2", steps + [budget, "actor_rollout_ref.actor.megatron.context_parallel_size=2"],
-                           "configs/recipe/tiny_long.yaml", quick=False)
+                           "configs/recipe/tiny_long.yaml")
     for step in (1, 2):
         want, got = history[step], cp2[step]
         for key in ("critic/score/mean", "response_length/mean", "critic/advantages/max"):

@@ -1,8 +1,7 @@
 """SIGTERM and SIGINT stop the tiny CPU recipe (real Ray workers, megatron-core on gloo ranks)
 cleanly, with one line saying where a re-run resumes, under a cluster of its own or a joined one
 (``ray job submit``); a re-run resumes there; a damaged checkpoint is skipped or refused. The runs take
-larger micro-batches (``QUICK``) and one training rank (``ONE_TRAIN_RANK``): the subject is the stop,
-not the training pool."""
+one training rank (``ONE_TRAIN_RANK``): the subject is the stop, not the training pool."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import free_port
-from tests.recipe_runs import ONE_TRAIN_RANK, QUICK, REPO, TINY, metrics, run_main
+from tests.recipe_runs import ONE_TRAIN_RANK, REPO, TINY, metrics, run_main
 
 # Every process the driver starts (Ray's and its workers) inherits its environment: a unique value
 # of this variable finds them in /proc, and no other run's.
@@ -93,7 +92,7 @@ def assert_clean_stop(stderr: str, line: str) -> None:
     assert [s for s in stderr.splitlines() if s.startswith("stopped by")] == [line], stderr
 
 
-STEPS = ["--config", TINY["gspo"], "trainer.test_freq=-1", "trainer.val_before_train=false", *QUICK, *ONE_TRAIN_RANK]
+STEPS = ["--config", TINY["gspo"], "trainer.test_freq=-1", "trainer.val_before_train=false", *ONE_TRAIN_RANK]
 
 
 @pytest.mark.slow
