@@ -156,6 +156,49 @@ def test_log_prob_passes_take_the_actors_dynamic_batch_size_unless_set():
     assert tiny.actor.use_dynamic_bsz and tiny.rollout.log_prob_use_dynamic_bsz and tiny.ref.log_prob_use_dynamic_bsz
 
 
+def test_a_token_budget_must_hold_the_longest_sequence():
+    """Tiny recipe: prompts up to 32 and responses up to 16 tokens, 48 in all; a budget below that is
+    refused at load, naming each pass's key that falls short, rather than at the first long batch."""
+    def refused(overrides):
+        with pytest.raises(ConfigError) as e:
+            load_config(TINY, overrides)
+        return str(e.value)
+
+    budget = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    message = refused([f"{budget}=40"])  # the old-log-prob pass follows the actor's budget (verl)
+    assert (f"{budget} (40) and actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (40) must hold the longest "
+            "sequence, data.max_prompt_length + data.max_response_length = 48 tokens: raise each to at least 48") in message
+    message = refused([f"{budget}=40", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096"])
+    assert f"{budget} (40) must hold" in message and "raise it to at least 48" in message
+    # CP2 on 4 ranks: megatron's CP algorithm cuts a sequence into 4 chunks, each rank holds half
+    cp2 = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.context_parallel_size=2"]
+    assert "over context parallel 2: raise each to at least 24" in refused([*cp2, f"{budget}=23"])
+    assert load_config(TINY, [*cp2, f"{budget}=24"]).actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 24
+    assert not load_config(TINY, ["actor_rollout_ref.actor.use_dynamic_bsz=false", f"{budget}=40"]).actor_rollout_ref.actor.use_dynamic_bsz
+
+
+def test_the_memory_plan_takes_a_token_budgets_micro_batch():
+    """With dynamic batch size the planned micro-batch is the actor's budget of longest sequences, no
+    more than the rows a rank trains on in an optimizer step (16 x 8 on one device here); without it,
+    ppo_micro_batch_size_per_gpu rows."""
+    from megatron_bridge.plan.memory import estimate
+    from recipe.config import layout_verdict, model_spec
+
+    one = ["trainer.device=cuda", "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"]
+
+    def planned(overrides):
+        cfg = load_config(TINY, one + overrides)
+        spec = model_spec(cfg, TINY)
+        return layout_verdict(cfg, spec).memory.train_peak, lambda rows: estimate(spec, cfg.layout, 48, rows).train_peak
+
+    peak, at = planned([])
+    assert peak == at(128) > at(127)  # the rank's whole mini-batch: the budget holds 341 rows of 48
+    peak, at = planned(["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=960"])
+    assert peak == at(20)  # 960 tokens: 20 rows of 48
+    peak, at = planned(["actor_rollout_ref.actor.use_dynamic_bsz=false"])
+    assert peak == at(8)
+
+
 def test_gradient_checkpointing_turns_on_full_recompute_where_the_layout_has_none():
     train = load_config(TINY, ["actor_rollout_ref.model.enable_gradient_checkpointing=true"]).layout.train
     assert (train.recompute_granularity, train.recompute_method, train.recompute_num_layers) == ("full", "uniform", 1)

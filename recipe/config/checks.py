@@ -169,6 +169,7 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
         out.append("dynamic batch size with pipeline parallel needs megatron's variable sequence lengths, which the "
                    "CPU path's allgather MoE dispatcher does not support (megatron-core 0.12.1): on CPU use "
                    "pipeline_model_parallel_size=1 or use_dynamic_bsz=false")
+    out += _token_budget_problems(cfg)
     if cfg.layout.cluster.device == "npu":  # MindSpeed's refusals, before anything starts (the actor repeats them)
         from megatron_bridge.runtime import mindspeed
 
@@ -195,6 +196,37 @@ def _cross_checks(cfg: RecipeConfig) -> list[str]:
             "lower it or set reward_model.overlong_buffer.enable=false"
         )
     return out
+
+
+def _token_budgets(cfg: RecipeConfig) -> list[tuple[str, int]]:
+    """The token budget of each pass that cuts its micro-batches by tokens (dynamic batch size): the
+    key and its value, per device (a micro-batch holds that times context parallel)."""
+    arr = cfg.actor_rollout_ref
+    passes = [(f"{ACTOR}.ppo_max_token_len_per_gpu", arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
+              (f"{ROLLOUT}.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_use_dynamic_bsz,
+               arr.rollout.log_prob_max_token_len_per_gpu)]
+    if cfg.needs_reference:
+        passes.append(("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_use_dynamic_bsz,
+                       arr.ref.log_prob_max_token_len_per_gpu))
+    return [(key, budget) for key, dynamic, budget in passes if dynamic]
+
+
+def _token_budget_problems(cfg: RecipeConfig) -> list[str]:
+    """A micro-batch by token budget holds at least one row: the longest sequence the data allows,
+    padded as the layout splits it, must fit each budget, or the run fails at the first batch
+    that holds one (the actor's own check, mid-run)."""
+    t, data = cfg.layout.train, cfg.data
+    longest = data.max_prompt_length + data.max_response_length
+    padded = -(-longest // t.seq_multiple) * t.seq_multiple
+    short = [f"{key} ({budget})" for key, budget in _token_budgets(cfg) if budget * t.cp < padded]
+    if not short:
+        return []
+    held = f"{longest} tokens" + (f", padded to {padded} for the layout's split" if padded != longest else "")
+    per_device = -(-padded // t.cp)
+    return [f"{' and '.join(short)} must hold the longest sequence, data.max_prompt_length + "
+            f"data.max_response_length = {held}" + (f", over context parallel {t.cp}" if t.cp > 1 else "") +
+            f": raise {'it' if len(short) == 1 else 'each'} to at least {per_device} (or shorten the sequences, or "
+            "use_dynamic_bsz=false)"]
 
 
 def _pool_is_trainers(layout: Layout) -> bool:
@@ -328,8 +360,16 @@ def _layout_problems(cfg: RecipeConfig, name: str) -> list[str]:
 
 def layout_verdict(cfg: RecipeConfig, spec: ModelSpec):
     """The planner's verdict on this recipe's layout for its sequences (prompt + response), micro-batch,
-    reference model, packing and log-prob chunks."""
+    reference model, packing and log-prob chunks. With dynamic batch size the training micro-batch is
+    the actor's token budget filled with longest sequences (rows in fractions; at most a rank's rows
+    of an optimizer step): the most tokens it holds, and the most score memory an unfused attention
+    keeps for them."""
     arr = cfg.actor_rollout_ref
-    return evaluate(spec, cfg.layout, cfg.data.max_prompt_length + cfg.data.max_response_length,
-                    arr.actor.ppo_micro_batch_size_per_gpu, cfg.needs_reference, arr.model.use_remove_padding,
+    seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    rows = arr.actor.ppo_micro_batch_size_per_gpu
+    if arr.actor.use_dynamic_bsz:  # no more than the rows a rank trains on in an optimizer step
+        t = cfg.layout.train
+        held = arr.actor.ppo_mini_batch_size * arr.rollout.n / (cfg.layout.cluster.world_size // (t.tp * t.pp * t.cp))
+        rows = min(arr.actor.ppo_max_token_len_per_gpu * t.cp / seq_len, held)
+    return evaluate(spec, cfg.layout, seq_len, rows, cfg.needs_reference, arr.model.use_remove_padding,
                     arr.actor.megatron.log_prob_chunk_size)
