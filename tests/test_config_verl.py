@@ -197,6 +197,9 @@ def test_the_memory_plan_takes_a_token_budgets_micro_batch():
     assert peak == at(20)  # 960 tokens: 20 rows of 48
     peak, at = planned(["actor_rollout_ref.actor.use_dynamic_bsz=false"])
     assert peak == at(8)
+    # a layout the planner refuses (TP4 on 2 ranks: no DP) is refused by its rule, not divided by its zero DP
+    with pytest.raises(ConfigError, match=r"train\.world_divisible_by_tp_pp_cp"):
+        load_config(TINY, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
 
 
 def test_gradient_checkpointing_turns_on_full_recompute_where_the_layout_has_none():

@@ -369,7 +369,7 @@ def layout_verdict(cfg: RecipeConfig, spec: ModelSpec):
     rows = arr.actor.ppo_micro_batch_size_per_gpu
     if arr.actor.use_dynamic_bsz:  # no more than the rows a rank trains on in an optimizer step
         t = cfg.layout.train
-        held = arr.actor.ppo_mini_batch_size * arr.rollout.n / (cfg.layout.cluster.world_size // (t.tp * t.pp * t.cp))
-        rows = min(arr.actor.ppo_max_token_len_per_gpu * t.cp / seq_len, held)
+        dp = max(1, cfg.layout.cluster.world_size // (t.tp * t.pp * t.cp))  # 0 where the verdict refuses the layout
+        rows = min(arr.actor.ppo_max_token_len_per_gpu * t.cp / seq_len, arr.actor.ppo_mini_batch_size * arr.rollout.n / dp)
     return evaluate(spec, cfg.layout, seq_len, rows, cfg.needs_reference, arr.model.use_remove_padding,
                     arr.actor.megatron.log_prob_chunk_size)
