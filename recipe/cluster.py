@@ -186,7 +186,7 @@ def describe_pools(cfg, head_ip: str, node_ips: str) -> list[str]:
 
 def prepare(args: argparse.Namespace) -> int:
     from megatron_bridge.plan.verdict import print_verdict
-    from recipe.config import config_to_dict, layout_verdict, load_config, model_spec, resolve_path
+    from recipe.config import actor_budget, config_to_dict, layout_verdict, load_config, model_spec, resolve_path
     from recipe.workers.group import DEVICE_RESOURCE, devices_per_node_offered, nodes_needed
 
     recipe = os.path.abspath(resolve_path("recipe", args.recipe))
@@ -207,7 +207,7 @@ def prepare(args: argparse.Namespace) -> int:
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     spec = model_spec(cfg, recipe)
     verdict = layout_verdict(cfg, spec)
-    print_verdict(spec, verdict, seq_len)
+    print_verdict(spec, verdict, seq_len, actor_budget(cfg))
 
     template = args.runtime_env or os.path.join(RUNTIME_ENV_DIR, RUNTIME_ENV_FOR_DEVICE[cluster.device])
     env, notes = runtime_env(template, verdict.mc2, args.hccl_buffsize)

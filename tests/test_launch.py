@@ -267,7 +267,7 @@ def test_dry_run_prints_layout_memory_env_and_each_nodes_commands(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "layout qwen3_30b_a3b_2x16_a3: train TP2 PP2 EP16" in text
-    assert "training peak" in text and "VALID" in text
+    assert "training peak" in text and "VALID" in text and "micro-batch:" not in text  # fixed micro-batches
     assert "HCCL_BUFFSIZE: '608'" in text  # the planner's value for this layout, in the job's runtime env
     assert "VLLM_ASCEND_ENABLE_NZ: '0'" in text
     assert "ray start --head --block" in text and '{"NPU": 16}' in text.replace("\\", "")
@@ -295,6 +295,9 @@ def test_worker_dry_run_names_the_head_and_whether_it_answers(tmp_path):
     assert "--head --block --port" in out.stdout and "--node-ip-address 127.0.0.2 " in out.stdout
     assert f"the head 127.0.0.2:{port} does not answer (yet)" in out.stdout
     assert "note: SIGINT is ignored here" in out.stdout
+    # the tiny recipe's dynamic batch size, planned as the budget's longest sequences (one rank's 64 rows)
+    assert "micro-batch: 16,384 tokens per device (dynamic batch size), planned as 64 sequence(s) of 48 tokens" \
+        in out.stdout
     assert elapsed < HANG_S
 
 

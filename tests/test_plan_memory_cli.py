@@ -9,10 +9,12 @@ import pytest
 import yaml
 
 from megatron_bridge.plan import mc2, memory
+from megatron_bridge.plan.batching import TokenBudget
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel, layout_from_dict, load_layout
 from megatron_bridge.plan.model_spec import load_model_spec
 from megatron_bridge.plan.cli import main as plan_main
+from megatron_bridge.plan.verdict import evaluate
 
 Q30 = load_model_spec("qwen3_30b_a3b")
 Q235 = load_model_spec("qwen3_235b_a22b")
@@ -210,6 +212,66 @@ def test_model_spec_errors_name_the_input(tmp_path):
     bad.write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ConfigError, match="model_type='llama' is not supported"):
         load_model_spec(str(bad))
+
+
+def test_a_token_budget_plans_the_sequences_it_holds():
+    """Dynamic batch size: a micro-batch is a token budget per device, so the plan holds as many
+    sequences of the planned length as fit in it (CP x the budget), at most a DP rank's rows of an
+    optimizer step; a budget that holds no sequence is a broken rule."""
+    layout = load_layout("qwen3_30b_a3b_2x16_a3")  # TP2 PP2 on 32 devices: DP 8
+    v = evaluate(Q30, layout, 10240, budget=TokenBudget(20480, 512))
+    assert v.valid and v.rows == 2
+    assert v.memory.train_peak == memory.estimate(Q30, layout, 10240, 2).train_peak
+    assert TokenBudget(30720, 512).rows(layout, 8192) == 3.75  # a size in sequences, not a count
+    assert TokenBudget(10**6, 512).rows(layout, 4096) == 512 / 8  # all a DP rank trains on in a step
+    cp2 = replace(layout, train=replace(layout.train, cp=2))  # DP 4: each CP rank holds half a sequence
+    assert TokenBudget(20480, 512).rows(cp2, 10240) == 4 and TokenBudget(10**6, 512).rows(cp2, 4096) == 128
+
+    short = evaluate(Q30, layout, 10240, budget=TokenBudget(10239, 512))
+    assert short.memory is None and [x.rule for x in short.violations] == ["batch.token_budget_holds_sequence"]
+    assert "raise --max-token-len to at least 10240" in short.violations[0].message
+    assert evaluate(Q30, cp2, 10240, budget=TokenBudget(5120, 512)).valid  # 10240 tokens over CP2
+    assert "at least 5120" in str(evaluate(Q30, cp2, 10240, budget=TokenBudget(5119, 512)).violations[0])
+
+    # the longest sequence under a budget: no longer than the budget holds, and what memory allows
+    assert memory.longest_sequence(Q30, layout, budget=TokenBudget(20480, 512)) == 20480
+    assert memory.longest_sequence(Q30, cp2, budget=TokenBudget(20480, 512)) == 40960
+    tight = layout.with_cluster(device_memory_gb=24)
+    budget = TokenBudget(65536, 512)
+    longest = memory.longest_sequence(Q30, tight, budget=budget)
+    assert 0 < longest < 65536 and longest % 2 == 0
+    assert memory.estimate(Q30, tight, longest, budget.rows(tight, longest)).train_fits
+    assert not memory.estimate(Q30, tight, longest + 2, budget.rows(tight, longest + 2)).train_fits
+
+
+def test_check_and_search_take_a_token_budget(tmp_path):
+    args = ["--model", "qwen3_30b_a3b", "--seq-len", "10240"]
+    out = _cli("check", *args, "--parallel", "qwen3_30b_a3b_2x16_a3", "--max-token-len", "20480")
+    assert out.returncode == 0, out.stderr
+    assert "micro-batch: 20,480 tokens per device (dynamic batch size), planned as 2 sequence(s) of 10,240 tokens" \
+        in out.stdout
+    assert "longest sequence whose training fits: 20,480 tokens (as long as the token budget holds;" in out.stdout
+    as_json = json.loads(_cli("check", *args, "--parallel", "qwen3_30b_a3b_2x16_a3", "--max-token-len", "20480",
+                              "--json").stdout)
+    rows = json.loads(_cli("check", *args, "--parallel", "qwen3_30b_a3b_2x16_a3", "--micro-batch-size", "2",
+                           "--json").stdout)
+    assert as_json["micro_batch_sequences"] == rows["micro_batch_sequences"] == 2
+    assert as_json["memory_bytes"] == rows["memory_bytes"]
+    short = _cli("check", *args, "--parallel", "qwen3_30b_a3b_2x16_a3", "--max-token-len", "8192")
+    assert short.returncode == 1 and "batch.token_budget_holds_sequence" in short.stdout
+    both = _cli("check", *args, "--parallel", "qwen3_30b_a3b_2x16_a3", "--max-token-len", "8192",
+                "--micro-batch-size", "2")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+    best = tmp_path / "best.yaml"
+    search = ["search", *args, "--nnodes", "2", "--devices-per-node", "16", "--device-memory-gb", "64",
+              "--max-token-len", "20480", "--top", "50"]
+    assert plan_main([*search, "--write", str(best)]) == 0
+    found = json.loads(_cli(*search, "--json").stdout)
+    assert found and all(r["valid"] and r["micro_batch_sequences"] == 2 for r in found)
+    assert _cli("check", *args, "--parallel", str(best), "--max-token-len", "20480").returncode == 0
+    none = _cli(*search[:-4], "--max-token-len", "4096")
+    assert none.returncode == 1 and "--max-token-len larger" in none.stderr
 
 
 def _cli(*args):

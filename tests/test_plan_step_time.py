@@ -288,6 +288,28 @@ def test_one_optimizer_step_by_hand_and_the_rl_step_made_of_them():
         assert step.seconds[key] == pytest.approx(8 * seconds + 2 * forward.get(key, 0.0))
 
 
+def test_a_token_budget_times_micro_batches_of_the_sequences_it_holds():
+    """Dynamic batch size: the step is timed for micro-batches of as many mean-length sequences as the
+    budget holds (CP x the budget), at most a DP rank's share of the pass's rows."""
+    lay = layout(pp=4, ep=8)  # 32 devices, TP1 PP4: DP 8, 64 sequences a rank per optimizer step
+    four = replace(RECIPE, micro_batch_size=4)
+    budget = replace(RECIPE, max_token_len=4 * RECIPE.mean_len)
+    for a, b in ((step_time.optimizer_step(Q30, lay, budget, RATES, Assumptions()),
+                  step_time.optimizer_step(Q30, lay, four, RATES, Assumptions())),
+                 (step_time.log_prob_pass(Q30, lay, budget, RATES), step_time.log_prob_pass(Q30, lay, four, RATES))):
+        assert a == pytest.approx(b)
+    # a budget of many sequences: one micro-batch of a rank's 64 sequences to train on, 512 to score
+    huge = replace(RECIPE, max_token_len=10**9)
+    assert step_time.optimizer_step(Q30, lay, huge, RATES, Assumptions()) == pytest.approx(
+        step_time.optimizer_step(Q30, lay, replace(RECIPE, micro_batch_size=64), RATES, Assumptions()))
+    assert step_time.log_prob_pass(Q30, lay, huge, RATES) == pytest.approx(
+        step_time.log_prob_pass(Q30, lay, replace(RECIPE, micro_batch_size=512), RATES))
+    # CP2 halves what a rank holds of each sequence: twice the sequences in the same budget
+    cp2 = layout(pp=4, ep=8, cp=2)
+    assert step_time.optimizer_step(Q30, cp2, budget, RATES, Assumptions()) == pytest.approx(
+        step_time.optimizer_step(Q30, cp2, replace(RECIPE, micro_batch_size=8), RATES, Assumptions()))
+
+
 def test_the_optimizer_updates_its_shard_of_the_parameters():
     # the distributed optimizer: DP2 updates half of every parameter on each rank; EP2 on 2 ranks
     # (EDP 1) holds half the experts whole and half the dense parameters; without the distributed

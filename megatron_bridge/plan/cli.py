@@ -8,7 +8,8 @@ Both predict an RL step's time per layout (an ESTIMATE, megatron_bridge.plan.ste
 workload (--seq-len, --prompt-len, --response-len, --global-batch, --mini-batch) at the rates of a
 hardware sheet (configs/hardware/, --hardware) or your own (--tflops, --hbm-bandwidth,
 --link-bandwidth), under switchable assumptions (--mfu, --link-efficiency, --hbm-efficiency,
---overlap-grad-sync); search ranks the layouts that fit by it.
+--overlap-grad-sync); search ranks the layouts that fit by it. Micro-batches hold --micro-batch-size
+sequences, or with dynamic batch size (--max-token-len) as many as a token budget holds.
 
 Exit codes: 0 valid, 1 invalid (every violated rule is printed), 2 unusable arguments.
 """
@@ -25,6 +26,7 @@ import yaml
 from megatron_bridge.atomic import write_text
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import memory
+from megatron_bridge.plan.batching import TokenBudget
 from megatron_bridge.plan.hardware import Assumptions, Overrides, Rates, hardware_for, load_hardware
 from megatron_bridge.plan.layout import Cluster, layout_to_dict, load_layout
 from megatron_bridge.plan.model_spec import load_model_spec
@@ -139,7 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device-memory-gb", type=_positive_float, help="memory per device in GiB (e.g. 64 for Atlas A2/A3)")
         p.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN,
                        help=f"tokens per sequence (prompt + response) for activation and CP/SP checks (default {DEFAULT_SEQ_LEN})")
-        p.add_argument("--micro-batch-size", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
+        batch = p.add_mutually_exclusive_group()
+        batch.add_argument("--micro-batch-size", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
+        batch.add_argument("--max-token-len", type=_positive_int, metavar="TOKENS",
+                           help="dynamic batch size instead: tokens per device a micro-batch holds (the actor's "
+                                "ppo_max_token_len_per_gpu); memory is planned for as many --seq-len sequences as "
+                                "that holds, the step time for as many mean-length ones, at most a DP rank's share "
+                                "of --mini-batch (of --global-batch for the log-prob passes)")
         p.add_argument("--reference-model", action="store_true",
                        help="count a reference model's weights (KL loss or KL in reward, e.g. the GRPO recipes)")
         p.add_argument("--padded", action="store_true",
@@ -219,7 +227,8 @@ def cost_model(args, cluster: Cluster) -> CostModel | None:
     prompt = args.prompt_len or min(DEFAULT_PROMPT_LEN, args.seq_len // 2)
     workload = Workload(seq_len=args.seq_len, prompt_len=prompt, response_len=args.response_len or args.seq_len - prompt,
                         global_batch=args.global_batch, mini_batch=args.mini_batch,
-                        micro_batch_size=args.micro_batch_size, reference=args.reference_model)
+                        micro_batch_size=args.micro_batch_size, reference=args.reference_model,
+                        max_token_len=args.max_token_len)
     sheet = load_hardware(args.hardware) if args.hardware else hardware_for(cluster)
     if sheet is not None and sheet.device != cluster.device:
         raise ConfigError(f"--hardware {args.hardware}: a {sheet.device} sheet, the cluster's device is {cluster.device}")
@@ -231,20 +240,26 @@ def cost_model(args, cluster: Cluster) -> CostModel | None:
     return CostModel(workload, rates, assume) if rates else None
 
 
+def token_budget(args) -> TokenBudget | None:
+    """--max-token-len's budget: the training micro-batch's (capped by an optimizer step's rows)."""
+    return None if args.max_token_len is None else TokenBudget(args.max_token_len, args.mini_batch)
+
+
 def run_check(args) -> int:
     spec = load_model_spec(args.model)
     layout = load_layout(args.parallel).with_cluster(**_cluster_overrides(args))
     if args.rollout_nnodes is not None:
         layout = layout.with_rollout_pool(args.rollout_nnodes, args.rollout_devices_per_node)
     cost = cost_model(args, layout.cluster)
+    budget = token_budget(args)
     v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model, not args.padded,
-                 args.log_prob_chunk_size, longest=True)
+                 args.log_prob_chunk_size, longest=True, budget=budget)
     if cost is not None and v.memory is not None:  # a layout that breaks a rule has no plan to time
         v = replace(v, step=cost.predict(spec, layout))
     if args.json:
         print(json.dumps(verdict_json(v), indent=2))
     else:
-        print_verdict(spec, v, args.seq_len)
+        print_verdict(spec, v, args.seq_len, budget)
         if cost is None:
             print(NO_RATES.format(device=layout.cluster.device))
     return 0 if v.valid else 1
@@ -261,13 +276,14 @@ def run_search(args) -> int:
     cost = cost_model(args, cluster)
     verdicts = search(spec, cluster, args.seq_len, args.micro_batch_size, not args.no_recompute,
                       args.gpu_memory_utilization, not args.no_offload, args.include_oom, args.reference_model,
-                      not args.padded, args.log_prob_chunk_size, cost)
+                      not args.padded, args.log_prob_chunk_size, cost, token_budget(args))
     shown = verdicts[: args.top]
     if args.json:
         print(json.dumps([verdict_json(v) for v in shown], indent=2))
     else:
         print(f"{spec.name} on {cluster.nnodes} x {cluster.devices_per_node} "
-              f"({cluster.device_memory_gb or '?'} GiB each), seq_len {args.seq_len}: "
+              f"({cluster.device_memory_gb or '?'} GiB each), seq_len {args.seq_len}"
+              + (f", micro-batches of {args.max_token_len:,} tokens per device" if args.max_token_len else "") + ": "
               f"{len(verdicts)} valid layout(s){'' if args.include_oom else ' that fit'}, best first")
         if cost is None:
             print(NO_RATES.format(device=cluster.device) + "; ranked by rules of thumb")
@@ -279,7 +295,8 @@ def run_search(args) -> int:
         if shown:
             print_table(shown, cluster.devices_per_node)
     if not verdicts:
-        print("no valid layout fits; try more devices, --seq-len smaller, or --include-oom to see the closest",
+        larger = ", --max-token-len larger (it must hold a --seq-len sequence)" if args.max_token_len else ""
+        print(f"no valid layout fits; try more devices, --seq-len smaller{larger}, or --include-oom to see the closest",
               file=sys.stderr)
         return 1
     if args.write:

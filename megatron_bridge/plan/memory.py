@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_bridge.plan.batching import TokenBudget
 from megatron_bridge.plan.layout import Layout, TrainParallel
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.plan.platforms import PLATFORMS
@@ -301,16 +302,21 @@ def logits_memory(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_s
     return int(tokens * vocab * 2 * copies + rows * vocab * 6)
 
 
-def longest_sequence(spec: ModelSpec, layout: Layout, micro_batch_size: int = 1, reference: bool = False,
-                     packed: bool = True, log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS) -> int | None:
+def longest_sequence(spec: ModelSpec, layout: Layout, micro_batch_size: float = 1, reference: bool = False,
+                     packed: bool = True, log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS,
+                     budget: TokenBudget | None = None) -> int | None:
     """The longest sequence whose training peak fits the device (``estimate``), in tokens, a length
     the layout can split (a multiple of ``TrainParallel.seq_multiple``: lcm(2*CP, CP*TP) with CP and
-    sequence parallel); 0 when none does, None when the device memory is not known."""
+    sequence parallel); 0 when none does, None when the device memory is not known. With a token
+    ``budget`` the micro-batch is as many such sequences as it holds, and none longer than it holds."""
     if not layout.cluster.device_memory_gb:
         return None
 
     def fits(seq_len: int) -> bool:
-        return estimate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size).train_fits
+        if budget is not None and not budget.holds(layout.train, seq_len):
+            return False
+        rows = budget.rows(layout, seq_len) if budget is not None else micro_batch_size
+        return estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size).train_fits
 
     step = layout.train.seq_multiple
     if not fits(step):
@@ -407,7 +413,7 @@ class MemoryReport:
         return bool(self.train_fits and self.rollout_fits)
 
 
-def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1,
+def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: float = 1,
              reference: bool = False, packed: bool = True,
              log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS) -> MemoryReport:
     """Memory per device on the worst pipeline stage of a validated layout; with ``reference``, a

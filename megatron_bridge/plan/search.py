@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_bridge.plan import memory
+from megatron_bridge.plan.batching import TokenBudget
 from megatron_bridge.plan.collectives import Groups
 from megatron_bridge.plan.layout import Cluster, Layout, RolloutParallel, TrainParallel
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.plan.step_time import CostModel
-from megatron_bridge.plan.validate import divisors, rollout_tp_ok, validate
+from megatron_bridge.plan.validate import divisors, rollout_tp_ok
 from megatron_bridge.plan.verdict import Verdict, evaluate
 
 
@@ -112,14 +113,15 @@ def why(v: Verdict, devices_per_node: int) -> str:
 
 def search(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch_size: int, recompute: bool,
            utilization: float, offload: bool, include_oom: bool, reference: bool = False, packed: bool = True,
-           log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, cost: CostModel | None = None) -> list[Verdict]:
+           log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, cost: CostModel | None = None,
+           budget: TokenBudget | None = None) -> list[Verdict]:
     """Valid layouts (with ``include_oom``, those that do not fit too, after the ones that do),
     each with its predicted step where ``cost`` is given, best first (``rank_key``)."""
     verdicts = []
     for layout in candidates(spec, cluster, recompute, utilization, offload):
-        if validate(spec, layout, seq_len):
+        v = evaluate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size, budget=budget)
+        if v.memory is None:
             continue  # search shows structurally valid layouts only
-        v = evaluate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size)
         if v.valid or include_oom:
             verdicts.append(replace(v, step=cost.predict(spec, layout)) if cost else v)
     return sorted(verdicts, key=lambda v: (not v.valid, rank_key(v, cluster.devices_per_node)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from megatron_bridge.plan import mc2, memory
+from megatron_bridge.plan.batching import TokenBudget, least_budget
 from megatron_bridge.plan.step_time import TERMS, StepTime
 from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.model_spec import ModelSpec
@@ -23,6 +24,7 @@ class Verdict:
     # the longest sequence whose training fits (memory.longest_sequence), when asked for and known
     longest_sequence: int | None = None
     step: StepTime | None = None  # the predicted RL step (step_time), where the rates are known
+    rows: float = 1  # sequences of the planned length in one training micro-batch
 
     @property
     def valid(self) -> bool:
@@ -59,21 +61,38 @@ def memory_violations(report: memory.MemoryReport) -> list[Violation]:
     return out
 
 
-def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int = 1,
+def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: float = 1,
              reference: bool = False, packed: bool = True,
-             log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, longest: bool = False) -> Verdict:
+             log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, longest: bool = False,
+             budget: TokenBudget | None = None) -> Verdict:
     """The layout's verdict; the memory terms as ``memory.estimate`` takes them; with ``longest``,
-    also the longest sequence that fits."""
-    violations = validate(spec, layout, seq_len)
+    also the longest sequence that fits. With a token ``budget`` (dynamic batch size) the
+    micro-batch is the sequences of ``seq_len`` it holds, not ``micro_batch_size``."""
+    violations = validate(spec, layout, seq_len) + budget_violations(layout, seq_len, budget)
     if violations:
         return Verdict(layout, violations, None, None, [])
-    report = memory.estimate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size)
-    fitting = (memory.longest_sequence(spec, layout, micro_batch_size, reference, packed, log_prob_chunk_size)
+    rows = budget.rows(layout, seq_len) if budget is not None else micro_batch_size
+    report = memory.estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size)
+    fitting = (memory.longest_sequence(spec, layout, micro_batch_size, reference, packed, log_prob_chunk_size, budget)
                if longest else None)
     return Verdict(
         layout, memory_violations(report), report,
-        mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout), fitting,
+        mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout), fitting, rows=rows,
     )
+
+
+def budget_violations(layout: Layout, seq_len: int, budget: TokenBudget | None) -> list[Violation]:
+    """A token budget holds at least one sequence, or no micro-batch can be cut (the actor refuses the
+    batch)."""
+    if budget is None or budget.holds(layout.train, seq_len):
+        return []
+    t = layout.train
+    return [Violation(
+        "batch.token_budget_holds_sequence",
+        f"a micro-batch of {budget.tokens} tokens per device cannot hold a sequence of {seq_len} tokens"
+        + (f" (each of the CP={t.cp} ranks holds 1/{t.cp} of it)" if t.cp > 1 else "")
+        + f": raise --max-token-len to at least {least_budget(t, seq_len)}, or context_parallel_size",
+    )]
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -96,12 +115,15 @@ def describe(layout: Layout) -> str:
     return f"train {train} | rollout TP{r.tp} DP{r.dp} EP{r.ep}"
 
 
-def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
+def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int, budget: TokenBudget | None = None) -> None:
     cl = v.layout.cluster
     print(f"model {spec.name}: {spec.total_params / 1e9:.2f}B params, {spec.active_params / 1e9:.2f}B active")
     print(f"layout {v.layout.name}: {describe(v.layout)}")
     print(f"cluster: {cl.nnodes} x {cl.devices_per_node} {cl.device}{' ' + cl.npu_kind if cl.npu_kind else ''} = "
           f"{cl.world_size} devices, {cl.device_memory_gb or '?'} GiB each; seq_len {seq_len}")
+    if budget is not None and v.memory is not None:
+        print(f"micro-batch: {budget.tokens:,} tokens per device (dynamic batch size), planned as {v.rows:.3g} "
+              f"sequence(s) of {seq_len:,} tokens")
     if v.layout.separate_rollout:
         r = v.layout.rollout
         print(f"rollout pool: {r.nnodes or 1} x {r.devices_per_node} {cl.device} = {v.layout.rollout_world_size} "
@@ -130,8 +152,12 @@ def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int) -> None:
     fits = {None: "unknown (give --device-memory-gb)", True: "yes", False: "NO"}
     print(f"fits: training {fits[m.train_fits]}, rollout {fits[m.rollout_fits]}")
     if v.longest_sequence is not None:
-        print(f"longest sequence whose training fits: {v.longest_sequence:,} tokens (estimate, at this "
-              f"micro-batch size; the model's max_position_embeddings: {spec.max_position_embeddings:,})")
+        t = v.layout.train
+        held = budget is not None and v.longest_sequence + t.seq_multiple > budget.tokens * t.cp
+        why = "as long as the token budget holds" if held else "estimate, at this " + (
+            "token budget" if budget else "micro-batch size")
+        print(f"longest sequence whose training fits: {v.longest_sequence:,} tokens ({why}; the model's "
+              f"max_position_embeddings: {spec.max_position_embeddings:,})")
     if v.step is not None:
         print_step_time(v.step)
     p = v.mc2
@@ -206,6 +232,7 @@ def verdict_json(v: Verdict) -> dict:
             out["memory_bytes"]["kept_during_rollout"] = v.memory.resident_during_rollout
             out["memory_bytes"]["offload_host"] = v.memory.offload_host
         out["fits"] = v.memory.fits
+        out["micro_batch_sequences"] = v.rows
         if v.longest_sequence is not None:
             out["longest_sequence"] = v.longest_sequence
         out["checkpoint_bytes"] = {"total": v.memory.checkpoint_total, "per_rank": v.memory.checkpoint_per_rank}

@@ -26,7 +26,7 @@ key spellings, translated before the typing).
 
 from megatron_bridge.configs import read_yaml
 from recipe.config.load import config_from_dict, config_to_dict, deep_merge, load_config, parse_overrides, resolve_path
-from recipe.config.checks import layout_verdict, model_spec
+from recipe.config.checks import actor_budget, layout_verdict, model_spec
 from recipe.config.rules import seed_rule
 from recipe.config.schema import (
     BUILTIN_TASKS,
@@ -44,7 +44,7 @@ from recipe.config.schema import (
 
 __all__ = [
     "BUILTIN_TASKS", "BUILTIN_TINY", "ActorConfig", "ActorRolloutRefConfig", "AsyncTrainingConfig", "DataConfig",
-    "FilterGroupsConfig", "ModelConfig", "RecipeConfig", "TrainerConfig", "builtin_task", "config_from_dict",
-    "config_to_dict", "deep_merge", "layout_verdict", "load_config", "model_spec", "parse_overrides", "read_yaml",
-    "resolve_path", "seed_rule",
+    "FilterGroupsConfig", "ModelConfig", "RecipeConfig", "TrainerConfig", "actor_budget", "builtin_task",
+    "config_from_dict", "config_to_dict", "deep_merge", "layout_verdict", "load_config", "model_spec",
+    "parse_overrides", "read_yaml", "resolve_path", "seed_rule",
 ]

@@ -11,6 +11,7 @@ import os
 from typing import Any, Mapping
 
 from megatron_bridge.errors import ConfigError
+from megatron_bridge.plan.batching import TokenBudget, least_budget
 from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.memory import GIB, hf_engine_bytes
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
@@ -217,12 +218,12 @@ def _token_budget_problems(cfg: RecipeConfig) -> list[str]:
     that holds one (the actor's own check, mid-run)."""
     t, data = cfg.layout.train, cfg.data
     longest = data.max_prompt_length + data.max_response_length
-    padded = -(-longest // t.seq_multiple) * t.seq_multiple
-    short = [f"{key} ({budget})" for key, budget in _token_budgets(cfg) if budget * t.cp < padded]
+    per_device = least_budget(t, longest)
+    short = [f"{key} ({budget})" for key, budget in _token_budgets(cfg) if budget < per_device]
     if not short:
         return []
+    padded = -(-longest // t.seq_multiple) * t.seq_multiple
     held = f"{longest} tokens" + (f", padded to {padded} for the layout's split" if padded != longest else "")
-    per_device = -(-padded // t.cp)
     return [f"{' and '.join(short)} must hold the longest sequence, data.max_prompt_length + "
             f"data.max_response_length = {held}" + (f", over context parallel {t.cp}" if t.cp > 1 else "") +
             f": raise {'it' if len(short) == 1 else 'each'} to at least {per_device} (or shorten the sequences, or "
@@ -358,6 +359,14 @@ def _layout_problems(cfg: RecipeConfig, name: str) -> list[str]:
     return out + [f"layout {cfg.layout.name}: {v}" for v in layout_verdict(cfg, spec).violations]
 
 
+def actor_budget(cfg: RecipeConfig) -> TokenBudget | None:
+    """The actor's token budget per training micro-batch under dynamic batch size, else None."""
+    actor = cfg.actor_rollout_ref.actor
+    if not actor.use_dynamic_bsz:
+        return None
+    return TokenBudget(actor.ppo_max_token_len_per_gpu, actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n)
+
+
 def layout_verdict(cfg: RecipeConfig, spec: ModelSpec):
     """The planner's verdict on this recipe's layout for its sequences (prompt + response), micro-batch,
     reference model, packing and log-prob chunks. With dynamic batch size the training micro-batch is
@@ -366,10 +375,7 @@ def layout_verdict(cfg: RecipeConfig, spec: ModelSpec):
     keeps for them."""
     arr = cfg.actor_rollout_ref
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    rows = arr.actor.ppo_micro_batch_size_per_gpu
-    if arr.actor.use_dynamic_bsz:  # no more than the rows a rank trains on in an optimizer step
-        t = cfg.layout.train
-        dp = max(1, cfg.layout.cluster.world_size // (t.tp * t.pp * t.cp))  # 0 where the verdict refuses the layout
-        rows = min(arr.actor.ppo_max_token_len_per_gpu * t.cp / seq_len, arr.actor.ppo_mini_batch_size * arr.rollout.n / dp)
+    budget = actor_budget(cfg)  # its refusal is _token_budget_problems' (it names the keys), not the verdict's
+    rows = arr.actor.ppo_micro_batch_size_per_gpu if budget is None else budget.rows(cfg.layout, seq_len)
     return evaluate(spec, cfg.layout, seq_len, rows, cfg.needs_reference, arr.model.use_remove_padding,
                     arr.actor.megatron.log_prob_chunk_size)
