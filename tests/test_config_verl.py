@@ -181,7 +181,7 @@ def test_the_memory_plan_takes_a_token_budgets_micro_batch():
     """With dynamic batch size the planned micro-batch is the actor's budget of longest sequences, no
     more than the rows a rank trains on in an optimizer step (16 x 8 on one device here); without it,
     ppo_micro_batch_size_per_gpu rows."""
-    from megatron_bridge.plan.memory import estimate
+    from megatron_bridge.plan.memory import estimate, log_prob_pass_memory
     from recipe.config import layout_verdict, model_spec
 
     one = ["trainer.device=cuda", "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"]
@@ -197,6 +197,15 @@ def test_the_memory_plan_takes_a_token_budgets_micro_batch():
     assert peak == at(20)  # 960 tokens: 20 rows of 48
     peak, at = planned(["actor_rollout_ref.actor.use_dynamic_bsz=false"])
     assert peak == at(8)
+    # the old-log-prob pass's own larger budget: its forward (logits of an RL step's 128 rows, one layer) is planned
+    # as well, and is the peak where it needs more than the training micro-batch of 20 rows
+    cfg = load_config(TINY, one + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=960",
+                                   "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=65536"])
+    report = layout_verdict(cfg, model_spec(cfg, TINY)).memory
+    spec, t = model_spec(cfg, TINY), cfg.layout.train
+    assert report.log_prob_pass == log_prob_pass_memory(spec, t, 48, 128) > report.activations + report.logits
+    assert report.train_peak == report.static.total + report.log_prob_pass
+    assert ("log-prob forward (if above those 3)", report.log_prob_pass, False) in report.terms
     # a layout the planner refuses (TP4 on 2 ranks: no DP) is refused by its rule, not divided by its zero DP
     with pytest.raises(ConfigError, match=r"train\.world_divisible_by_tp_pp_cp"):
         load_config(TINY, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])

@@ -244,6 +244,31 @@ def test_a_token_budget_plans_the_sequences_it_holds():
     assert not memory.estimate(Q30, tight, longest + 2, budget.rows(tight, longest + 2)).train_fits
 
 
+def test_a_larger_log_prob_micro_batch_plans_its_forward_pass():
+    """The log-prob passes run forward only: their logits and one layer at work. At the training
+    micro-batch's size that is less than training; a log-prob budget twice or four times as large
+    (verl scripts often give one) can be the peak."""
+    layout = load_layout("qwen3_30b_a3b_2x16_a3")
+    t, last = layout.train, layout.train.pp - 1
+    forward = memory.log_prob_pass_memory(Q30, t, 10240, 4)
+    assert forward == memory.logits_memory(Q30, t, 10240, 4) + memory.activation_bytes_per_layer(Q30, t, 10240, 4)
+    plain = memory.estimate(Q30, layout, 10240, 2)
+    same = memory.estimate(Q30, layout, 10240, 2, log_prob_rows=2)
+    assert plain.log_prob_pass == 0 and "log-prob forward (if above those 3)" not in [n for n, _, _ in plain.terms]
+    assert 0 < same.log_prob_pass < same.activations + same.logits and same.train_peak == plain.train_peak
+    big = memory.estimate(Q30, layout, 10240, 2, log_prob_rows=4)
+    assert big.pp_rank == last and big.log_prob_pass == forward > big.activations + big.logits + big.routing
+    assert big.train_peak == big.static.total + forward > plain.train_peak
+
+    args = ["check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3", "--seq-len", "10240",
+            "--max-token-len", "20480", "--json"]
+    out = json.loads(_cli(*args, "--log-prob-max-token-len", "40960").stdout)
+    assert out["memory_bytes"]["log-prob forward (if above those 3)"] == forward
+    assert out["memory_bytes"]["training_peak"] == big.train_peak
+    short = _cli(*args[:-1], "--log-prob-max-token-len", "8192")
+    assert short.returncode == 1 and "raise --log-prob-max-token-len to at least 10240" in short.stdout
+
+
 def test_check_and_search_take_a_token_budget(tmp_path):
     args = ["--model", "qwen3_30b_a3b", "--seq-len", "10240"]
     out = _cli("check", *args, "--parallel", "qwen3_30b_a3b_2x16_a3", "--max-token-len", "20480")

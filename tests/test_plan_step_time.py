@@ -304,6 +304,12 @@ def test_a_token_budget_times_micro_batches_of_the_sequences_it_holds():
         step_time.optimizer_step(Q30, lay, replace(RECIPE, micro_batch_size=64), RATES, Assumptions()))
     assert step_time.log_prob_pass(Q30, lay, huge, RATES) == pytest.approx(
         step_time.log_prob_pass(Q30, lay, replace(RECIPE, micro_batch_size=512), RATES))
+    # the log-prob passes' own budget sizes their micro-batches only
+    own = replace(budget, log_prob_max_token_len=8 * RECIPE.mean_len)
+    assert step_time.optimizer_step(Q30, lay, own, RATES, Assumptions()) == pytest.approx(
+        step_time.optimizer_step(Q30, lay, four, RATES, Assumptions()))
+    assert step_time.log_prob_pass(Q30, lay, own, RATES) == pytest.approx(
+        step_time.log_prob_pass(Q30, lay, replace(RECIPE, micro_batch_size=8), RATES))
     # CP2 halves what a rank holds of each sequence: twice the sequences in the same budget
     cp2 = layout(pp=4, ep=8, cp=2)
     assert step_time.optimizer_step(Q30, cp2, budget, RATES, Assumptions()) == pytest.approx(

@@ -33,3 +33,8 @@ class TokenBudget:
 
     def holds(self, t: TrainParallel, seq_len: int) -> bool:
         return self.tokens >= least_budget(t, seq_len)
+
+
+def rows_of(micro_batch: float | TokenBudget, layout: Layout, seq_len: int) -> float:
+    """Sequences of ``seq_len`` tokens in a micro-batch given as a number of rows or as a token budget."""
+    return micro_batch.rows(layout, seq_len) if isinstance(micro_batch, TokenBudget) else micro_batch

@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "ppo_max_token_len_per_gpu); memory is planned for as many --seq-len sequences as "
                                 "that holds, the step time for as many mean-length ones, at most a DP rank's share "
                                 "of --mini-batch (of --global-batch for the log-prob passes)")
+        p.add_argument("--log-prob-max-token-len", type=_positive_int, metavar="TOKENS",
+                       help="the log-prob passes' own token budget per micro-batch (log_prob_max_token_len_per_gpu) "
+                            "where it is larger than the training one: their forward-only peak (its logits) is "
+                            "planned too")
         p.add_argument("--reference-model", action="store_true",
                        help="count a reference model's weights (KL loss or KL in reward, e.g. the GRPO recipes)")
         p.add_argument("--padded", action="store_true",
@@ -228,7 +232,7 @@ def cost_model(args, cluster: Cluster) -> CostModel | None:
     workload = Workload(seq_len=args.seq_len, prompt_len=prompt, response_len=args.response_len or args.seq_len - prompt,
                         global_batch=args.global_batch, mini_batch=args.mini_batch,
                         micro_batch_size=args.micro_batch_size, reference=args.reference_model,
-                        max_token_len=args.max_token_len)
+                        max_token_len=args.max_token_len, log_prob_max_token_len=args.log_prob_max_token_len)
     sheet = load_hardware(args.hardware) if args.hardware else hardware_for(cluster)
     if sheet is not None and sheet.device != cluster.device:
         raise ConfigError(f"--hardware {args.hardware}: a {sheet.device} sheet, the cluster's device is {cluster.device}")
@@ -245,6 +249,11 @@ def token_budget(args) -> TokenBudget | None:
     return None if args.max_token_len is None else TokenBudget(args.max_token_len, args.mini_batch)
 
 
+def log_prob_budget(args) -> TokenBudget | None:
+    """--log-prob-max-token-len's budget: the log-prob passes' micro-batch (capped by an RL step's rows)."""
+    return None if args.log_prob_max_token_len is None else TokenBudget(args.log_prob_max_token_len, args.global_batch)
+
+
 def run_check(args) -> int:
     spec = load_model_spec(args.model)
     layout = load_layout(args.parallel).with_cluster(**_cluster_overrides(args))
@@ -253,7 +262,7 @@ def run_check(args) -> int:
     cost = cost_model(args, layout.cluster)
     budget = token_budget(args)
     v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model, not args.padded,
-                 args.log_prob_chunk_size, longest=True, budget=budget)
+                 args.log_prob_chunk_size, longest=True, budget=budget, log_prob=log_prob_budget(args))
     if cost is not None and v.memory is not None:  # a layout that breaks a rule has no plan to time
         v = replace(v, step=cost.predict(spec, layout))
     if args.json:
@@ -276,7 +285,7 @@ def run_search(args) -> int:
     cost = cost_model(args, cluster)
     verdicts = search(spec, cluster, args.seq_len, args.micro_batch_size, not args.no_recompute,
                       args.gpu_memory_utilization, not args.no_offload, args.include_oom, args.reference_model,
-                      not args.padded, args.log_prob_chunk_size, cost, token_budget(args))
+                      not args.padded, args.log_prob_chunk_size, cost, token_budget(args), log_prob_budget(args))
     shown = verdicts[: args.top]
     if args.json:
         print(json.dumps([verdict_json(v) for v in shown], indent=2))

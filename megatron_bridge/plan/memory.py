@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_bridge.plan.batching import TokenBudget
+from megatron_bridge.plan.batching import TokenBudget, rows_of
 from megatron_bridge.plan.layout import Layout, TrainParallel
 from megatron_bridge.plan.model_spec import ModelSpec
 from megatron_bridge.plan.platforms import PLATFORMS
@@ -302,21 +302,37 @@ def logits_memory(spec: ModelSpec, t: TrainParallel, seq_len: int, micro_batch_s
     return int(tokens * vocab * 2 * copies + rows * vocab * 6)
 
 
+def log_prob_pass_memory(spec: ModelSpec, t: TrainParallel, seq_len: int, rows: float, packed: bool = True,
+                         log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS, gathered_kv: bool = False) -> int:
+    """ESTIMATE for the last stage of a forward-only log-prob pass (the old policy's, the
+    reference's) of ``rows`` sequences: its logits and log-prob chunk, and one layer at work (what the
+    layer would keep for backward: more than its forward holds at once). Nothing is kept for
+    backward, so a log-prob micro-batch of the training one's size needs less than training; a
+    larger one (verl scripts often give the log-prob passes 1.5-2x the actor's token budget) can
+    need more, mostly for its logits."""
+    return (logits_memory(spec, t, seq_len, rows, packed, log_prob_chunk_size)
+            + activation_bytes_per_layer(spec, t, seq_len, rows, gathered_kv))
+
+
 def longest_sequence(spec: ModelSpec, layout: Layout, micro_batch_size: float = 1, reference: bool = False,
                      packed: bool = True, log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS,
-                     budget: TokenBudget | None = None) -> int | None:
+                     budget: TokenBudget | None = None, log_prob: float | TokenBudget | None = None) -> int | None:
     """The longest sequence whose training peak fits the device (``estimate``), in tokens, a length
     the layout can split (a multiple of ``TrainParallel.seq_multiple``: lcm(2*CP, CP*TP) with CP and
     sequence parallel); 0 when none does, None when the device memory is not known. With a token
-    ``budget`` the micro-batch is as many such sequences as it holds, and none longer than it holds."""
+    ``budget`` the micro-batch is as many such sequences as it holds, and none longer than it holds;
+    likewise the log-prob passes' micro-batch (``log_prob``: rows or a budget) where it is given."""
     if not layout.cluster.device_memory_gb:
         return None
+    budgets = [b for b in (budget, log_prob) if isinstance(b, TokenBudget)]
 
     def fits(seq_len: int) -> bool:
-        if budget is not None and not budget.holds(layout.train, seq_len):
+        if not all(b.holds(layout.train, seq_len) for b in budgets):
             return False
-        rows = budget.rows(layout, seq_len) if budget is not None else micro_batch_size
-        return estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size).train_fits
+        rows = rows_of(budget if budget is not None else micro_batch_size, layout, seq_len)
+        log_prob_rows = None if log_prob is None else rows_of(log_prob, layout, seq_len)
+        return estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size,
+                        log_prob_rows).train_fits
 
     step = layout.train.seq_multiple
     if not fits(step):
@@ -376,6 +392,7 @@ class MemoryReport:
     activations: int
     logits: int
     routing: int
+    log_prob_pass: int  # a forward-only log-prob pass's working memory (logits, one layer at work), if counted
     device_bytes: int | None
     rollout_share: int | None
     rollout_weights: int
@@ -391,7 +408,7 @@ class MemoryReport:
     @property
     def train_peak(self) -> int:
         return self.static.total + self.reference + max(self.activations + self.logits + self.routing,
-                                                        self.optimizer_step)
+                                                        self.log_prob_pass, self.optimizer_step)
 
     @property
     def train_fits(self) -> bool | None:
@@ -415,10 +432,12 @@ class MemoryReport:
 
 def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: float = 1,
              reference: bool = False, packed: bool = True,
-             log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS) -> MemoryReport:
+             log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS, log_prob_rows: float | None = None) -> MemoryReport:
     """Memory per device on the worst pipeline stage of a validated layout; with ``reference``, a
     reference model in the same layout (its weights buffer is the actor's). ``packed`` and
-    ``log_prob_chunk_size``: the actor's ``use_remove_padding`` and ``log_prob_chunk_size``."""
+    ``log_prob_chunk_size``: the actor's ``use_remove_padding`` and ``log_prob_chunk_size``.
+    ``log_prob_rows``: the log-prob passes' micro-batch where it differs from the training one (at
+    the same rows a forward-only pass needs less)."""
     t, cl, r = layout.train, layout.cluster, layout.rollout
     tokens = seq_len * micro_batch_size
     device = int(cl.device_memory_gb * GIB) if cl.device_memory_gb else None
@@ -429,10 +448,14 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: fl
         static = static_memory(spec, layout, pp_rank)
         acts = activation_memory(spec, t, sum(chunks[pp_rank]), seq_len, micro_batch_size, gathered_kv)
         routing = routing_memory(spec, t, sum(chunks[pp_rank]), tokens)
-        logits = logits_memory(spec, t, seq_len, micro_batch_size, packed, log_prob_chunk_size) if pp_rank == t.pp - 1 else 0
+        last = pp_rank == t.pp - 1
+        logits = logits_memory(spec, t, seq_len, micro_batch_size, packed, log_prob_chunk_size) if last else 0
+        log_prob = (log_prob_pass_memory(spec, t, seq_len, log_prob_rows, packed, log_prob_chunk_size, gathered_kv)
+                    if last and log_prob_rows is not None else 0)
         ref = static.weights if reference else 0
         reports.append(MemoryReport(
-            pp_rank=pp_rank, static=static, activations=acts, logits=logits, routing=routing, device_bytes=device,
+            pp_rank=pp_rank, static=static, activations=acts, logits=logits, routing=routing, log_prob_pass=log_prob,
+            device_bytes=device,
             rollout_share=int(r.gpu_memory_utilization * device) if device else None,
             rollout_weights=rollout_weight_bytes(spec, layout),
             resident_during_rollout=kept_during_rollout(static, t, ref), offload_host=offload_host_bytes(static, t, ref),
@@ -454,5 +477,6 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: fl
         ("logits (bf16) + log-prob chunk (fp32)", worst.logits, False),
         ("routing ids (capture, replay)", worst.routing, False),
         *([("optimizer step (if above the 3 before)", worst.optimizer_step, False)] if worst.optimizer_step else []),
+        *([("log-prob forward (if above those 3)", worst.log_prob_pass, False)] if log_prob_rows else []),
     ]
     return worst

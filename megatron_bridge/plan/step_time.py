@@ -73,14 +73,14 @@ class Workload:
     micro_batch_size: float = 1
     reference: bool = False  # a reference model's log-prob pass too (KL)
     max_token_len: int | None = None  # dynamic batch size: tokens per device a micro-batch holds
+    log_prob_max_token_len: int | None = None  # the log-prob passes' own budget (default: max_token_len)
 
-    def sized(self, layout: Layout, step_rows: int) -> Workload:
-        """This workload with micro-batches of ``micro_batch_size`` sequences: where a token budget cuts
-        them, as many of the mean length as it holds (at most a DP rank's share of ``step_rows``)."""
-        if self.max_token_len is None:
+    def sized(self, layout: Layout, step_rows: int, budget: int | None) -> Workload:
+        """This workload with micro-batches of ``micro_batch_size`` sequences: where a token ``budget``
+        cuts them, as many of the mean length as it holds (at most a DP rank's share of ``step_rows``)."""
+        if budget is None:
             return self
-        rows = TokenBudget(self.max_token_len, step_rows).rows(layout, self.mean_len)
-        return replace(self, micro_batch_size=rows, max_token_len=None)
+        return replace(self, micro_batch_size=TokenBudget(budget, step_rows).rows(layout, self.mean_len))
 
     def __post_init__(self):
         if self.prompt_len >= self.seq_len:
@@ -428,7 +428,7 @@ def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, a
     reduce-scatter and parameter all-gather, and the update on the slowest stage. What one actor
     ``train_step`` takes (bench/actor_throughput.py's train step; bench/plan_calibrate.py compares
     them)."""
-    t, w = layout.train, w.sized(layout, w.mini_batch)
+    t, w = layout.train, w.sized(layout, w.mini_batch, w.max_token_len)
     per_opt = math.ceil(math.ceil(w.mini_batch / _replicas(layout)) / w.micro_batch_size)
     train = _slowest(spec, layout, w, rates, True)
     sync = max((gradient_sync(spec, layout, i, rates) for i in range(t.pp)),
@@ -444,7 +444,7 @@ def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, a
 
 def log_prob_pass(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates) -> dict[str, float]:
     """Seconds of one log-prob pass over the ``w.global_batch`` sequences (forward only), by term."""
-    t, w = layout.train, w.sized(layout, w.global_batch)
+    t, w = layout.train, w.sized(layout, w.global_batch, w.log_prob_max_token_len or w.max_token_len)
     per_pass = math.ceil(math.ceil(w.global_batch / _replicas(layout)) / w.micro_batch_size)
     forward = _slowest(spec, layout, w, rates, False)
     return {**{k: per_pass * getattr(forward, k) for k in PASS_TERMS},

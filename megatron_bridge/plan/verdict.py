@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from megatron_bridge.plan import mc2, memory
-from megatron_bridge.plan.batching import TokenBudget, least_budget
+from megatron_bridge.plan.batching import TokenBudget, least_budget, rows_of
 from megatron_bridge.plan.step_time import TERMS, StepTime
 from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.model_spec import ModelSpec
@@ -64,26 +64,30 @@ def memory_violations(report: memory.MemoryReport) -> list[Violation]:
 def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: float = 1,
              reference: bool = False, packed: bool = True,
              log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, longest: bool = False,
-             budget: TokenBudget | None = None) -> Verdict:
+             budget: TokenBudget | None = None, log_prob: float | TokenBudget | None = None) -> Verdict:
     """The layout's verdict; the memory terms as ``memory.estimate`` takes them; with ``longest``,
     also the longest sequence that fits. With a token ``budget`` (dynamic batch size) the
-    micro-batch is the sequences of ``seq_len`` it holds, not ``micro_batch_size``."""
-    violations = validate(spec, layout, seq_len) + budget_violations(layout, seq_len, budget)
+    micro-batch is the sequences of ``seq_len`` it holds, not ``micro_batch_size``; ``log_prob``:
+    the log-prob passes' micro-batch (rows or a budget) where it is not the training one."""
+    violations = validate(spec, layout, seq_len) + budget_violations(layout, seq_len, budget, "--max-token-len")
+    if isinstance(log_prob, TokenBudget):
+        violations += budget_violations(layout, seq_len, log_prob, "--log-prob-max-token-len")
     if violations:
         return Verdict(layout, violations, None, None, [])
-    rows = budget.rows(layout, seq_len) if budget is not None else micro_batch_size
-    report = memory.estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size)
-    fitting = (memory.longest_sequence(spec, layout, micro_batch_size, reference, packed, log_prob_chunk_size, budget)
-               if longest else None)
+    rows = rows_of(budget if budget is not None else micro_batch_size, layout, seq_len)
+    log_prob_rows = None if log_prob is None else rows_of(log_prob, layout, seq_len)
+    report = memory.estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size, log_prob_rows)
+    fitting = (memory.longest_sequence(spec, layout, micro_batch_size, reference, packed, log_prob_chunk_size, budget,
+                                       log_prob) if longest else None)
     return Verdict(
         layout, memory_violations(report), report,
         mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout), fitting, rows=rows,
     )
 
 
-def budget_violations(layout: Layout, seq_len: int, budget: TokenBudget | None) -> list[Violation]:
-    """A token budget holds at least one sequence, or no micro-batch can be cut (the actor refuses the
-    batch)."""
+def budget_violations(layout: Layout, seq_len: int, budget: TokenBudget | None, flag: str) -> list[Violation]:
+    """A token budget (``flag``'s) holds at least one sequence, or no micro-batch can be cut (the
+    actor refuses the batch)."""
     if budget is None or budget.holds(layout.train, seq_len):
         return []
     t = layout.train
@@ -91,7 +95,7 @@ def budget_violations(layout: Layout, seq_len: int, budget: TokenBudget | None) 
         "batch.token_budget_holds_sequence",
         f"a micro-batch of {budget.tokens} tokens per device cannot hold a sequence of {seq_len} tokens"
         + (f" (each of the CP={t.cp} ranks holds 1/{t.cp} of it)" if t.cp > 1 else "")
-        + f": raise --max-token-len to at least {least_budget(t, seq_len)}, or context_parallel_size",
+        + f": raise {flag} to at least {least_budget(t, seq_len)}, or context_parallel_size",
     )]
 
 

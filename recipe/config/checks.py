@@ -11,7 +11,7 @@ import os
 from typing import Any, Mapping
 
 from megatron_bridge.errors import ConfigError
-from megatron_bridge.plan.batching import TokenBudget, least_budget
+from megatron_bridge.plan.batching import TokenBudget, least_budget, rows_of
 from megatron_bridge.plan.layout import Layout
 from megatron_bridge.plan.memory import GIB, hf_engine_bytes
 from megatron_bridge.plan.model_spec import ModelSpec, load_model_spec
@@ -375,7 +375,18 @@ def layout_verdict(cfg: RecipeConfig, spec: ModelSpec):
     keeps for them."""
     arr = cfg.actor_rollout_ref
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    budget = actor_budget(cfg)  # its refusal is _token_budget_problems' (it names the keys), not the verdict's
-    rows = arr.actor.ppo_micro_batch_size_per_gpu if budget is None else budget.rows(cfg.layout, seq_len)
+    budget = actor_budget(cfg)  # budgets' refusals are _token_budget_problems' (they name the keys), not the verdict's
+    rows = rows_of(budget or arr.actor.ppo_micro_batch_size_per_gpu, cfg.layout, seq_len)
     return evaluate(spec, cfg.layout, seq_len, rows, cfg.needs_reference, arr.model.use_remove_padding,
-                    arr.actor.megatron.log_prob_chunk_size)
+                    arr.actor.megatron.log_prob_chunk_size, log_prob=_log_prob_rows(cfg, seq_len))
+
+
+def _log_prob_rows(cfg: RecipeConfig, seq_len: int) -> float:
+    """The largest micro-batch of the forward-only log-prob passes (the old policy's; the
+    reference's where there is one), in sequences of ``seq_len``: rows, or a budget's share of an RL
+    step's rows."""
+    arr = cfg.actor_rollout_ref
+    step_rows = cfg.data.train_batch_size * arr.rollout.n
+    sizes = [TokenBudget(p.log_prob_max_token_len_per_gpu, step_rows) if p.log_prob_use_dynamic_bsz
+             else p.log_prob_micro_batch_size_per_gpu for p in (arr.rollout, *([arr.ref] if cfg.needs_reference else []))]
+    return max(rows_of(size, cfg.layout, seq_len) for size in sizes)
