@@ -477,6 +477,6 @@ def estimate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: fl
         ("logits (bf16) + log-prob chunk (fp32)", worst.logits, False),
         ("routing ids (capture, replay)", worst.routing, False),
         *([("optimizer step (if above the 3 before)", worst.optimizer_step, False)] if worst.optimizer_step else []),
-        *([("log-prob forward (if above those 3)", worst.log_prob_pass, False)] if log_prob_rows else []),
+        *([("log-prob forward (if above those 3)", worst.log_prob_pass, False)] if worst.log_prob_pass else []),
     ]
     return worst
