@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from megatron_bridge.plan.layout import Layout, TrainParallel
 
 
+def replicas(layout: Layout) -> int:
+    """The training DP size sequences are dealt over (world / (TP*PP*CP)); at least 1, as where a
+    layout breaks a rule there may be none."""
+    t = layout.train
+    return max(1, layout.cluster.world_size // (t.tp * t.pp * t.cp))
+
+
 def least_budget(t: TrainParallel, seq_len: int) -> int:
     """The smallest token budget per device that holds a sequence of ``seq_len`` tokens, padded as the
     layout splits it: each CP rank holds a 1/CP slice of every sequence."""
@@ -27,9 +34,7 @@ class TokenBudget:
     def rows(self, layout: Layout, seq_len: int) -> float:
         """Sequences of ``seq_len`` tokens in one micro-batch, in fractions (the plan's rows are a
         size, not a count: a budget of 1.5 sequences holds 1.5 sequences' tokens of shorter ones)."""
-        t = layout.train
-        dp = max(1, layout.cluster.world_size // (t.tp * t.pp * t.cp))  # 0 where the layout breaks a rule
-        return min(self.tokens * t.cp / seq_len, self.step_rows / dp)
+        return min(self.tokens * layout.train.cp / seq_len, self.step_rows / replicas(layout))
 
     def holds(self, t: TrainParallel, seq_len: int) -> bool:
         return self.tokens >= least_budget(t, seq_len)

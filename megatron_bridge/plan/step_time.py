@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from megatron_bridge.errors import ConfigError
 from megatron_bridge.plan import flops
-from megatron_bridge.plan.batching import TokenBudget
+from megatron_bridge.plan.batching import TokenBudget, replicas
 from megatron_bridge.plan.collectives import AllToAll, Group, Groups, link_rate, ring_bytes, ring_seconds
 from megatron_bridge.plan.hardware import Assumptions, Rates
 from megatron_bridge.plan.layout import Layout, TrainParallel
@@ -414,11 +414,6 @@ def _slowest(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, trainin
                 for i, n in enumerate(layers_per_stage(spec.num_layers, t))), key=lambda m: m.stage_seconds)
 
 
-def _replicas(layout: Layout) -> int:
-    t = layout.train
-    return layout.cluster.world_size // (t.tp * t.pp * t.cp)  # sequences go to DP replicas
-
-
 PASS_TERMS = ("compute", "tensor_parallel", "expert_all_to_all", "context_parallel", "pipeline_p2p")
 
 
@@ -429,7 +424,7 @@ def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, a
     ``train_step`` takes (bench/actor_throughput.py's train step; bench/plan_calibrate.py compares
     them)."""
     t, w = layout.train, w.sized(layout, w.mini_batch, w.max_token_len)
-    per_opt = math.ceil(math.ceil(w.mini_batch / _replicas(layout)) / w.micro_batch_size)
+    per_opt = math.ceil(math.ceil(w.mini_batch / replicas(layout)) / w.micro_batch_size)
     train = _slowest(spec, layout, w, rates, True)
     sync = max((gradient_sync(spec, layout, i, rates) for i in range(t.pp)),
                key=lambda s: s.reduce_seconds + s.gather_seconds)
@@ -445,7 +440,7 @@ def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, a
 def log_prob_pass(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates) -> dict[str, float]:
     """Seconds of one log-prob pass over the ``w.global_batch`` sequences (forward only), by term."""
     t, w = layout.train, w.sized(layout, w.global_batch, w.log_prob_max_token_len or w.max_token_len)
-    per_pass = math.ceil(math.ceil(w.global_batch / _replicas(layout)) / w.micro_batch_size)
+    per_pass = math.ceil(math.ceil(w.global_batch / replicas(layout)) / w.micro_batch_size)
     forward = _slowest(spec, layout, w, rates, False)
     return {**{k: per_pass * getattr(forward, k) for k in PASS_TERMS},
             "pipeline_bubble": bubble_seconds(t.pp, t.vpp, forward.stage_seconds, rates.ranks_share_cores)}
