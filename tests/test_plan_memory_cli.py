@@ -219,7 +219,7 @@ def test_a_token_budget_plans_the_sequences_it_holds():
     sequences of the planned length as fit in it (CP x the budget), at most a DP rank's rows of an
     optimizer step; a budget that holds no sequence is a broken rule."""
     layout = load_layout("qwen3_30b_a3b_2x16_a3")  # TP2 PP2 on 32 devices: DP 8
-    v = evaluate(Q30, layout, 10240, budget=TokenBudget(20480, 512))
+    v = evaluate(Q30, layout, 10240, TokenBudget(20480, 512))
     assert v.valid and v.rows == 2
     assert v.memory.train_peak == memory.estimate(Q30, layout, 10240, 2).train_peak
     assert TokenBudget(30720, 512).rows(layout, 8192) == 3.75  # a size in sequences, not a count
@@ -227,18 +227,18 @@ def test_a_token_budget_plans_the_sequences_it_holds():
     cp2 = replace(layout, train=replace(layout.train, cp=2))  # DP 4: each CP rank holds half a sequence
     assert TokenBudget(20480, 512).rows(cp2, 10240) == 4 and TokenBudget(10**6, 512).rows(cp2, 4096) == 128
 
-    short = evaluate(Q30, layout, 10240, budget=TokenBudget(10239, 512))
+    short = evaluate(Q30, layout, 10240, TokenBudget(10239, 512))
     assert short.memory is None and [x.rule for x in short.violations] == ["batch.token_budget_holds_sequence"]
     assert "raise --max-token-len to at least 10240" in short.violations[0].message
-    assert evaluate(Q30, cp2, 10240, budget=TokenBudget(5120, 512)).valid  # 10240 tokens over CP2
-    assert "at least 5120" in str(evaluate(Q30, cp2, 10240, budget=TokenBudget(5119, 512)).violations[0])
+    assert evaluate(Q30, cp2, 10240, TokenBudget(5120, 512)).valid  # 10240 tokens over CP2
+    assert "at least 5120" in str(evaluate(Q30, cp2, 10240, TokenBudget(5119, 512)).violations[0])
 
     # the longest sequence under a budget: no longer than the budget holds, and what memory allows
-    assert memory.longest_sequence(Q30, layout, budget=TokenBudget(20480, 512)) == 20480
-    assert memory.longest_sequence(Q30, cp2, budget=TokenBudget(20480, 512)) == 40960
+    assert memory.longest_sequence(Q30, layout, TokenBudget(20480, 512)) == 20480
+    assert memory.longest_sequence(Q30, cp2, TokenBudget(20480, 512)) == 40960
     tight = layout.with_cluster(device_memory_gb=24)
     budget = TokenBudget(65536, 512)
-    longest = memory.longest_sequence(Q30, tight, budget=budget)
+    longest = memory.longest_sequence(Q30, tight, budget)
     assert 0 < longest < 65536 and longest % 2 == 0
     assert memory.estimate(Q30, tight, longest, budget.rows(tight, longest)).train_fits
     assert not memory.estimate(Q30, tight, longest + 2, budget.rows(tight, longest + 2)).train_fits
@@ -267,6 +267,14 @@ def test_a_larger_log_prob_micro_batch_plans_its_forward_pass():
     assert out["memory_bytes"]["training_peak"] == big.train_peak
     short = _cli(*args[:-1], "--log-prob-max-token-len", "8192")
     assert short.returncode == 1 and "raise --log-prob-max-token-len to at least 10240" in short.stdout
+    # the same micro-batches in rows (verl's log_prob_micro_batch_size_per_gpu without dynamic batch size)
+    rows = ["check", "--model", "qwen3_30b_a3b", "--parallel", "qwen3_30b_a3b_2x16_a3", "--seq-len", "10240",
+            "--micro-batch-size", "2", "--json"]
+    out = json.loads(_cli(*rows, "--log-prob-micro-batch-size", "4").stdout)
+    assert out["memory_bytes"]["log-prob forward (if above those 3)"] == forward
+    assert out["memory_bytes"]["training_peak"] == big.train_peak
+    both = _cli(*rows, "--log-prob-micro-batch-size", "4", "--log-prob-max-token-len", "40960")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 def test_check_and_search_take_a_token_budget(tmp_path):

@@ -310,6 +310,13 @@ def test_a_token_budget_times_micro_batches_of_the_sequences_it_holds():
         step_time.optimizer_step(Q30, lay, four, RATES, Assumptions()))
     assert step_time.log_prob_pass(Q30, lay, own, RATES) == pytest.approx(
         step_time.log_prob_pass(Q30, lay, replace(RECIPE, micro_batch_size=8), RATES))
+    # or their own rows, whatever cuts the training micro-batches
+    for train in (budget, four):
+        rows = replace(train, log_prob_micro_batch_size=8)
+        assert step_time.optimizer_step(Q30, lay, rows, RATES, Assumptions()) == pytest.approx(
+            step_time.optimizer_step(Q30, lay, four, RATES, Assumptions()))
+        assert step_time.log_prob_pass(Q30, lay, rows, RATES) == pytest.approx(
+            step_time.log_prob_pass(Q30, lay, replace(RECIPE, micro_batch_size=8), RATES))
     # CP2 halves what a rank holds of each sequence: twice the sequences in the same budget
     cp2 = layout(pp=4, ep=8, cp=2)
     assert step_time.optimizer_step(Q30, cp2, budget, RATES, Assumptions()) == pytest.approx(

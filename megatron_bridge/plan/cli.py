@@ -148,10 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 "ppo_max_token_len_per_gpu); memory is planned for as many --seq-len sequences as "
                                 "that holds, the step time for as many mean-length ones, at most a DP rank's share "
                                 "of --mini-batch (of --global-batch for the log-prob passes)")
-        p.add_argument("--log-prob-max-token-len", type=_positive_int, metavar="TOKENS",
-                       help="the log-prob passes' own token budget per micro-batch (log_prob_max_token_len_per_gpu) "
-                            "where it is larger than the training one: their forward-only peak (its logits) is "
-                            "planned too")
+        log_prob = p.add_mutually_exclusive_group()
+        log_prob.add_argument("--log-prob-micro-batch-size", type=_positive_int, metavar="B",
+                              help="the log-prob passes' own sequences per micro-batch (log_prob_micro_batch_size_per_gpu) "
+                                   "where they differ from training's: their forward-only peak (its logits) is "
+                                   "planned too, and their step time with it")
+        log_prob.add_argument("--log-prob-max-token-len", type=_positive_int, metavar="TOKENS",
+                              help="or their own token budget per micro-batch (log_prob_max_token_len_per_gpu), "
+                                   "likewise")
         p.add_argument("--reference-model", action="store_true",
                        help="count a reference model's weights (KL loss or KL in reward, e.g. the GRPO recipes)")
         p.add_argument("--padded", action="store_true",
@@ -232,7 +236,8 @@ def cost_model(args, cluster: Cluster) -> CostModel | None:
     workload = Workload(seq_len=args.seq_len, prompt_len=prompt, response_len=args.response_len or args.seq_len - prompt,
                         global_batch=args.global_batch, mini_batch=args.mini_batch,
                         micro_batch_size=args.micro_batch_size, reference=args.reference_model,
-                        max_token_len=args.max_token_len, log_prob_max_token_len=args.log_prob_max_token_len)
+                        max_token_len=args.max_token_len, log_prob_max_token_len=args.log_prob_max_token_len,
+                        log_prob_micro_batch_size=args.log_prob_micro_batch_size)
     sheet = load_hardware(args.hardware) if args.hardware else hardware_for(cluster)
     if sheet is not None and sheet.device != cluster.device:
         raise ConfigError(f"--hardware {args.hardware}: a {sheet.device} sheet, the cluster's device is {cluster.device}")
@@ -244,14 +249,17 @@ def cost_model(args, cluster: Cluster) -> CostModel | None:
     return CostModel(workload, rates, assume) if rates else None
 
 
-def token_budget(args) -> TokenBudget | None:
-    """--max-token-len's budget: the training micro-batch's (capped by an optimizer step's rows)."""
-    return None if args.max_token_len is None else TokenBudget(args.max_token_len, args.mini_batch)
+def micro_batch(args) -> int | TokenBudget:
+    """The training micro-batch: --micro-batch-size rows, or --max-token-len's budget (capped by an
+    optimizer step's rows)."""
+    return args.micro_batch_size if args.max_token_len is None else TokenBudget(args.max_token_len, args.mini_batch)
 
 
-def log_prob_budget(args) -> TokenBudget | None:
-    """--log-prob-max-token-len's budget: the log-prob passes' micro-batch (capped by an RL step's rows)."""
-    return None if args.log_prob_max_token_len is None else TokenBudget(args.log_prob_max_token_len, args.global_batch)
+def log_prob_micro_batch(args) -> int | TokenBudget | None:
+    """The log-prob passes' own micro-batch where given: rows, or a budget (capped by an RL step's rows)."""
+    if args.log_prob_max_token_len is not None:
+        return TokenBudget(args.log_prob_max_token_len, args.global_batch)
+    return args.log_prob_micro_batch_size
 
 
 def run_check(args) -> int:
@@ -260,15 +268,15 @@ def run_check(args) -> int:
     if args.rollout_nnodes is not None:
         layout = layout.with_rollout_pool(args.rollout_nnodes, args.rollout_devices_per_node)
     cost = cost_model(args, layout.cluster)
-    budget = token_budget(args)
-    v = evaluate(spec, layout, args.seq_len, args.micro_batch_size, args.reference_model, not args.padded,
-                 args.log_prob_chunk_size, longest=True, budget=budget, log_prob=log_prob_budget(args))
+    batch = micro_batch(args)
+    v = evaluate(spec, layout, args.seq_len, batch, args.reference_model, not args.padded,
+                 args.log_prob_chunk_size, longest=True, log_prob=log_prob_micro_batch(args))
     if cost is not None and v.memory is not None:  # a layout that breaks a rule has no plan to time
         v = replace(v, step=cost.predict(spec, layout))
     if args.json:
         print(json.dumps(verdict_json(v), indent=2))
     else:
-        print_verdict(spec, v, args.seq_len, budget)
+        print_verdict(spec, v, args.seq_len, batch)
         if cost is None:
             print(NO_RATES.format(device=layout.cluster.device))
     return 0 if v.valid else 1
@@ -283,9 +291,9 @@ def run_search(args) -> int:
     if not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1)")
     cost = cost_model(args, cluster)
-    verdicts = search(spec, cluster, args.seq_len, args.micro_batch_size, not args.no_recompute,
+    verdicts = search(spec, cluster, args.seq_len, micro_batch(args), not args.no_recompute,
                       args.gpu_memory_utilization, not args.no_offload, args.include_oom, args.reference_model,
-                      not args.padded, args.log_prob_chunk_size, cost, token_budget(args), log_prob_budget(args))
+                      not args.padded, args.log_prob_chunk_size, cost, log_prob_micro_batch(args))
     shown = verdicts[: args.top]
     if args.json:
         print(json.dumps([verdict_json(v) for v in shown], indent=2))

@@ -314,25 +314,25 @@ def log_prob_pass_memory(spec: ModelSpec, t: TrainParallel, seq_len: int, rows: 
             + activation_bytes_per_layer(spec, t, seq_len, rows, gathered_kv))
 
 
-def longest_sequence(spec: ModelSpec, layout: Layout, micro_batch_size: float = 1, reference: bool = False,
+def longest_sequence(spec: ModelSpec, layout: Layout, micro_batch: float | TokenBudget = 1, reference: bool = False,
                      packed: bool = True, log_prob_chunk_size: int = LOG_PROB_CHUNK_TOKENS,
-                     budget: TokenBudget | None = None, log_prob: float | TokenBudget | None = None) -> int | None:
+                     log_prob: float | TokenBudget | None = None) -> int | None:
     """The longest sequence whose training peak fits the device (``estimate``), in tokens, a length
     the layout can split (a multiple of ``TrainParallel.seq_multiple``: lcm(2*CP, CP*TP) with CP and
-    sequence parallel); 0 when none does, None when the device memory is not known. With a token
-    ``budget`` the micro-batch is as many such sequences as it holds, and none longer than it holds;
-    likewise the log-prob passes' micro-batch (``log_prob``: rows or a budget) where it is given."""
+    sequence parallel); 0 when none does, None when the device memory is not known. Where the
+    training micro-batch (``micro_batch``) is a token budget, it is as many such sequences as the
+    budget holds, and none longer than it holds; likewise the log-prob passes' micro-batch
+    (``log_prob``: rows or a budget) where it is given."""
     if not layout.cluster.device_memory_gb:
         return None
-    budgets = [b for b in (budget, log_prob) if isinstance(b, TokenBudget)]
+    budgets = [b for b in (micro_batch, log_prob) if isinstance(b, TokenBudget)]
 
     def fits(seq_len: int) -> bool:
         if not all(b.holds(layout.train, seq_len) for b in budgets):
             return False
-        rows = rows_of(budget if budget is not None else micro_batch_size, layout, seq_len)
         log_prob_rows = None if log_prob is None else rows_of(log_prob, layout, seq_len)
-        return estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size,
-                        log_prob_rows).train_fits
+        return estimate(spec, layout, seq_len, rows_of(micro_batch, layout, seq_len), reference, packed,
+                        log_prob_chunk_size, log_prob_rows).train_fits
 
     step = layout.train.seq_multiple
     if not fits(step):

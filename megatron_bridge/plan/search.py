@@ -111,16 +111,15 @@ def why(v: Verdict, devices_per_node: int) -> str:
     return ", ".join(parts)
 
 
-def search(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch_size: int, recompute: bool,
+def search(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: float | TokenBudget, recompute: bool,
            utilization: float, offload: bool, include_oom: bool, reference: bool = False, packed: bool = True,
            log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, cost: CostModel | None = None,
-           budget: TokenBudget | None = None, log_prob: TokenBudget | None = None) -> list[Verdict]:
+           log_prob: float | TokenBudget | None = None) -> list[Verdict]:
     """Valid layouts (with ``include_oom``, those that do not fit too, after the ones that do),
     each with its predicted step where ``cost`` is given, best first (``rank_key``)."""
     verdicts = []
     for layout in candidates(spec, cluster, recompute, utilization, offload):
-        v = evaluate(spec, layout, seq_len, micro_batch_size, reference, packed, log_prob_chunk_size, budget=budget,
-                     log_prob=log_prob)
+        v = evaluate(spec, layout, seq_len, micro_batch, reference, packed, log_prob_chunk_size, log_prob=log_prob)
         if v.memory is None:
             continue  # search shows structurally valid layouts only
         if v.valid or include_oom:

@@ -74,6 +74,7 @@ class Workload:
     reference: bool = False  # a reference model's log-prob pass too (KL)
     max_token_len: int | None = None  # dynamic batch size: tokens per device a micro-batch holds
     log_prob_max_token_len: int | None = None  # the log-prob passes' own budget (default: max_token_len)
+    log_prob_micro_batch_size: float | None = None  # or their own rows (default: the training micro-batch)
 
     def sized(self, layout: Layout, step_rows: int, budget: int | None) -> Workload:
         """This workload with micro-batches of ``micro_batch_size`` sequences: where a token ``budget``
@@ -81,6 +82,13 @@ class Workload:
         if budget is None:
             return self
         return replace(self, micro_batch_size=TokenBudget(budget, step_rows).rows(layout, self.mean_len))
+
+    def log_prob_sized(self, layout: Layout) -> Workload:
+        """This workload with the log-prob passes' micro-batches: their own rows or budget where given,
+        else the training micro-batch's rows or budget (over an RL step's rows)."""
+        if self.log_prob_micro_batch_size is not None:
+            return replace(self, micro_batch_size=self.log_prob_micro_batch_size)
+        return self.sized(layout, self.global_batch, self.log_prob_max_token_len or self.max_token_len)
 
     def __post_init__(self):
         if self.prompt_len >= self.seq_len:
@@ -439,7 +447,7 @@ def optimizer_step(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates, a
 
 def log_prob_pass(spec: ModelSpec, layout: Layout, w: Workload, rates: Rates) -> dict[str, float]:
     """Seconds of one log-prob pass over the ``w.global_batch`` sequences (forward only), by term."""
-    t, w = layout.train, w.sized(layout, w.global_batch, w.log_prob_max_token_len or w.max_token_len)
+    t, w = layout.train, w.log_prob_sized(layout)
     per_pass = math.ceil(math.ceil(w.global_batch / replicas(layout)) / w.micro_batch_size)
     forward = _slowest(spec, layout, w, rates, False)
     return {**{k: per_pass * getattr(forward, k) for k in PASS_TERMS},

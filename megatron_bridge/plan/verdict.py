@@ -61,39 +61,39 @@ def memory_violations(report: memory.MemoryReport) -> list[Violation]:
     return out
 
 
-def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: float = 1,
+def evaluate(spec: ModelSpec, layout: Layout, seq_len: int, micro_batch: float | TokenBudget = 1,
              reference: bool = False, packed: bool = True,
              log_prob_chunk_size: int = memory.LOG_PROB_CHUNK_TOKENS, longest: bool = False,
-             budget: TokenBudget | None = None, log_prob: float | TokenBudget | None = None) -> Verdict:
+             log_prob: float | TokenBudget | None = None) -> Verdict:
     """The layout's verdict; the memory terms as ``memory.estimate`` takes them; with ``longest``,
-    also the longest sequence that fits. With a token ``budget`` (dynamic batch size) the
-    micro-batch is the sequences of ``seq_len`` it holds, not ``micro_batch_size``; ``log_prob``:
-    the log-prob passes' micro-batch (rows or a budget) where it is not the training one."""
-    violations = validate(spec, layout, seq_len) + budget_violations(layout, seq_len, budget, "--max-token-len")
-    if isinstance(log_prob, TokenBudget):
-        violations += budget_violations(layout, seq_len, log_prob, "--log-prob-max-token-len")
+    also the longest sequence that fits. ``micro_batch``: the training micro-batch, in rows or as a
+    token budget (dynamic batch size: the sequences of ``seq_len`` it holds); ``log_prob``: the
+    log-prob passes' micro-batch, likewise, where it is not the training one."""
+    violations = (validate(spec, layout, seq_len) + budget_violations(layout, seq_len, micro_batch, "--max-token-len")
+                  + budget_violations(layout, seq_len, log_prob, "--log-prob-max-token-len"))
     if violations:
         return Verdict(layout, violations, None, None, [])
-    rows = rows_of(budget if budget is not None else micro_batch_size, layout, seq_len)
+    rows = rows_of(micro_batch, layout, seq_len)
     log_prob_rows = None if log_prob is None else rows_of(log_prob, layout, seq_len)
     report = memory.estimate(spec, layout, seq_len, rows, reference, packed, log_prob_chunk_size, log_prob_rows)
-    fitting = (memory.longest_sequence(spec, layout, micro_batch_size, reference, packed, log_prob_chunk_size, budget,
-                                       log_prob) if longest else None)
+    fitting = (memory.longest_sequence(spec, layout, micro_batch, reference, packed, log_prob_chunk_size, log_prob)
+               if longest else None)
     return Verdict(
         layout, memory_violations(report), report,
         mc2.plan_mc2(spec, layout, layout.rollout.max_num_seqs), notes(spec, layout), fitting, rows=rows,
     )
 
 
-def budget_violations(layout: Layout, seq_len: int, budget: TokenBudget | None, flag: str) -> list[Violation]:
-    """A token budget (``flag``'s) holds at least one sequence, or no micro-batch can be cut (the
-    actor refuses the batch)."""
-    if budget is None or budget.holds(layout.train, seq_len):
+def budget_violations(layout: Layout, seq_len: int, micro_batch: float | TokenBudget | None,
+                      flag: str) -> list[Violation]:
+    """A micro-batch given as a token budget (``flag``'s) holds at least one sequence, or no
+    micro-batch can be cut (the actor refuses the batch)."""
+    if not isinstance(micro_batch, TokenBudget) or micro_batch.holds(layout.train, seq_len):
         return []
     t = layout.train
     return [Violation(
         "batch.token_budget_holds_sequence",
-        f"a micro-batch of {budget.tokens} tokens per device cannot hold a sequence of {seq_len} tokens"
+        f"a micro-batch of {micro_batch.tokens} tokens per device cannot hold a sequence of {seq_len} tokens"
         + (f" (each of the CP={t.cp} ranks holds 1/{t.cp} of it)" if t.cp > 1 else "")
         + f": raise {flag} to at least {least_budget(t, seq_len)}, or context_parallel_size",
     )]
@@ -119,8 +119,11 @@ def describe(layout: Layout) -> str:
     return f"train {train} | rollout TP{r.tp} DP{r.dp} EP{r.ep}"
 
 
-def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int, budget: TokenBudget | None = None) -> None:
+def print_verdict(spec: ModelSpec, v: Verdict, seq_len: int, micro_batch: float | TokenBudget | None = None) -> None:
+    """``v`` as text; ``micro_batch``: the training micro-batch it was planned for, where it is a
+    token budget (the printout names it)."""
     cl = v.layout.cluster
+    budget = micro_batch if isinstance(micro_batch, TokenBudget) else None
     print(f"model {spec.name}: {spec.total_params / 1e9:.2f}B params, {spec.active_params / 1e9:.2f}B active")
     print(f"layout {v.layout.name}: {describe(v.layout)}")
     print(f"cluster: {cl.nnodes} x {cl.devices_per_node} {cl.device}{' ' + cl.npu_kind if cl.npu_kind else ''} = "
