@@ -267,7 +267,9 @@ def test_dry_run_prints_layout_memory_env_and_each_nodes_commands(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "layout qwen3_30b_a3b_2x16_a3: train TP2 PP2 EP16" in text
-    assert "training peak" in text and "VALID" in text and "micro-batch:" not in text  # fixed micro-batches
+    assert "training peak" in text and "VALID" in text
+    # verl's dynamic batch size: the actor's 10,240 tokens hold one longest sequence (2k + 8k)
+    assert "micro-batch: 10,240 tokens per device (dynamic batch size), planned as 1 sequence(s) of 10,240" in text
     assert "HCCL_BUFFSIZE: '608'" in text  # the planner's value for this layout, in the job's runtime env
     assert "VLLM_ASCEND_ENABLE_NZ: '0'" in text
     assert "ray start --head --block" in text and '{"NPU": 16}' in text.replace("\\", "")
