@@ -616,6 +616,7 @@ class Variant:
     grouped_gemm: bool = True  # grouped-GEMM experts (moe_grouped_gemm); false: megatron's SequentialMLP
     chunked: bool = True  # log-probs and entropy over chunks of tokens; false: log_prob_chunk_size=0
     pack: bool = True  # packed micro-batches (use_remove_padding)
+    fused: bool = False  # the log-prob chunks' kernels fused by torch.compile (use_fused_kernels)
 
     def train(self, layout: str = "single") -> TrainParallel:
         """Bench layout ``layout``'s parallelism with this variant's kernel switches."""
@@ -626,7 +627,7 @@ class Variant:
         from loss.megatron_hook import ActorLossConfig
 
         chunk = {} if self.chunked else {"log_prob_chunk_size": 0}  # chunked: the loss package's default size
-        return ActorLossConfig(loss_mode="gspo", policy=PAPER_SETTINGS, **chunk)
+        return ActorLossConfig(loss_mode="gspo", policy=PAPER_SETTINGS, fused_kernels=self.fused, **chunk)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -636,7 +637,11 @@ VARIANTS: dict[str, Variant] = {
     "unchunked": Variant("log-probs and entropy in one chunk (log_prob_chunk_size=0)", chunked=False),
     "unpacked": Variant("packing off (use_remove_padding=false)", pack=False),
     "all-off": Variant("all four off: megatron's modules, one chunk, padded", False, False, False, False),
+    "fused": Variant("all-on with the log-prob chunks' kernels fused by torch.compile (use_fused_kernels=true)",
+                     fused=True),
 }
+# The sweep's default: the fast paths each off in turn ("fused" is asked for by name: not the actor's default)
+DEFAULT_VARIANTS = [name for name in VARIANTS if name != "fused"]
 
 # Dense bf16 tensor-core peak per device (sparsity excluded), keyed by a part of
 # torch.cuda.get_device_name(), most specific first; the vendor's data sheet quotes twice these
@@ -778,7 +783,8 @@ def measure_length(actor, variant: Variant, seq_len: int, rows: int, prompt_shar
     batch = dp_share(whole, by_length=False)  # this DP rank's rows (all of them without DP)
     cfg = variant.loss_config()
     log_probs = partial(actor.forward_only, batch, 1,
-                        partial(log_prob_func, cfg.temperature, False, log_prob_chunk_size=cfg.log_prob_chunk_size))
+                        partial(log_prob_func, cfg.temperature, False, log_prob_chunk_size=cfg.log_prob_chunk_size,
+                                fused_kernels=cfg.fused_kernels))
     update = partial(actor.train_step, batch, 1, partial(policy_loss_func, cfg))
     out: dict[str, Any] = {"seq_len": seq_len, "prompt": prompt, "tokens": valid_tokens(whole), "train_s": [],
                            "log_prob_s": [], "skipped": 0}
@@ -1020,7 +1026,7 @@ def kernels_table(results: list[dict], device: bool, layouts: bool) -> str:
         info, v = result["info"], VARIANTS[result["variant"]]
         packed = "—" if not info else "packed" if info["packs"] else "padded"
         size = info.get("log_prob_chunk_size")
-        chunk = "—" if not info else f"{size:,} tokens" if size else "one"
+        chunk = "—" if not info else (f"{size:,} tokens" if size else "one") + (", fused" if v.fused else "")
         kernels = info.get("kernels", "did not start")
         loaded = f" {_gib(info.get('loaded_device_mib'))} |" if device else ""
         lines.append(f"| {result['layout'] + ' | ' if layouts else ''}{result['variant']} | {v.words} | {kernels} "
@@ -1193,8 +1199,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, metavar="S",
                    help="run the sequence-length sweep instead of the layout tables: sequences of S tokens, "
                         "micro-batch 1, on layout single or the --layouts given")
-    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
-                   help=f"fast-path variants of the sweep (default: all; choices: {', '.join(VARIANTS)})")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=DEFAULT_VARIANTS, metavar="VARIANT",
+                   help=f"fast-path variants of the sweep (default: {', '.join(DEFAULT_VARIANTS)}; "
+                        f"choices: {', '.join(VARIANTS)})")
     p.add_argument("--prompt-share", type=float, default=0.2,
                    help="the sweep's prompt share of each sequence, the rest response (default 0.2: 2k + 8k at 10k)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -1268,7 +1275,7 @@ def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _check_layouts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for flag, given in (("--variants", args.variants != list(VARIANTS)), ("--run-timeout", args.run_timeout)):
+    for flag, given in (("--variants", args.variants != DEFAULT_VARIANTS), ("--run-timeout", args.run_timeout)):
         if given:
             p.error(f"{flag} is for the --seq-lens sweep")
     args.layouts = args.layouts or list(TABLE_LAYOUTS)

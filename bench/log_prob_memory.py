@@ -13,7 +13,10 @@ entropy as a metric only (the default ``entropy_coeff`` 0) or differentiated too
   megatron's ``vocab_parallel_cross_entropy`` on a float32 copy of the logits / T, and an entropy
   Function that saves a float32 copy of its own;
 - one chunk: ``vocab_parallel_log_probs_and_entropy`` with ``chunk_size=0`` (all rows at once);
-- chunked: the same with the default ``chunk_size`` (``chunk_rows`` gives the rows per chunk).
+- chunked: the same with the default ``chunk_size`` (``chunk_rows`` gives the rows per chunk);
+- fused: chunked with ``fused=True`` (verl's ``use_fused_kernels``): each chunk's passes as kernels
+  ``torch.compile`` generates. Its peak is counted on CUDA only: ``LiveBytes`` is a dispatch mode,
+  under which a compiled graph runs op by op, so it would count the eager chunk's tensors.
 
 The new ways get the logits as a model's output (a non-leaf tensor nothing else holds), so their
 gradient is written into the logits' storage, as the loss hook does. "Extra peak" is the most memory
@@ -50,7 +53,8 @@ from bench.common import check_out, command_line, cpu_cores, machine_facts, publ
 SCRIPT = "bench/log_prob_memory.py"
 TEMPERATURE = 0.7
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-WAYS = ("old", "one chunk", "chunked")
+WAYS = ("old", "one chunk", "chunked", "fused")
+NOT_COUNTED = "—"  # the fused way's peak on the CPU (see above)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -138,13 +142,13 @@ def old_way(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool) -> 
     return log_probs, entropy
 
 
-def new_way(chunk_size: int) -> Callable:
+def new_way(chunk_size: int, fused: bool = False) -> Callable:
     def way(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         from loss.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
         positions = torch.arange(len(targets), device=logits.device)
         return vocab_parallel_log_probs_and_entropy(logits, positions, targets, TEMPERATURE, True, chunk_size,
-                                                    reuse_logits=True)
+                                                    reuse_logits=True, fused=fused)
 
     return way
 
@@ -207,7 +211,8 @@ def measure(rank: int, cases: list[tuple[int, int]], device: str, dtype: str, re
 
     parallel_state.initialize_model_parallel()
     device = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
-    ways = {"old": old_way, "one chunk": new_way(0), "chunked": new_way(DEFAULT_CHUNK_SIZE)}
+    ways = {"old": old_way, "one chunk": new_way(0), "chunked": new_way(DEFAULT_CHUNK_SIZE),
+            "fused": new_way(DEFAULT_CHUNK_SIZE, fused=True)}
     results = []
     for tokens, vocab in cases:
         g = torch.Generator(device=device).manual_seed(seed)
@@ -217,7 +222,8 @@ def measure(rank: int, cases: list[tuple[int, int]], device: str, dtype: str, re
             row = {"tokens": tokens, "vocab": vocab, "entropy_grad": entropy_grad,
                    "chunk_rows": chunk_rows(tokens, tokens), "peak": {}, "seconds": {}}
             for name, way in ways.items():
-                row["peak"][name] = extra_peak(way, values, targets, entropy_grad)
+                counted = device != "cpu" or name != "fused"
+                row["peak"][name] = extra_peak(way, values, targets, entropy_grad) if counted else NOT_COUNTED
                 row["seconds"][name] = seconds(way, values, targets, entropy_grad, repeats)
             results.append(row)
             print(f"[{tokens} x {vocab}, entropy grad {entropy_grad}] "
@@ -226,7 +232,9 @@ def measure(rank: int, cases: list[tuple[int, int]], device: str, dtype: str, re
     return results
 
 
-def _ratio(peak: int | None, elements: int) -> str:
+def _ratio(peak: int | str | None, elements: int) -> str:
+    if isinstance(peak, str):
+        return peak
     return "OOM" if peak is None else f"{peak / (2 * elements):.2f}x"
 
 
@@ -236,8 +244,8 @@ def _ms(value: float | None) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| tokens | vocab | bf16 logits | entropy differentiated | rows per chunk | extra peak: old | one chunk "
-             "| chunked | fwd+bwd ms: old | one chunk | chunked |",
-             "|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| chunked | fused | fwd+bwd ms: old | one chunk | chunked | fused |",
+             "|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
         elements = r["tokens"] * r["vocab"]
         lines.append(f"| {r['tokens']:,} | {r['vocab']:,} | {2 * elements / 2**20:,.0f} MiB | "
@@ -256,7 +264,10 @@ def report(results: list[dict[str, Any]], command: str, args: argparse.Namespace
         *machine_facts(f"{torch.get_num_threads()} intra-op threads, one rank", load_before,
                        "cuda" if args.device == "cuda" else "cpu"),
         f"- logits {args.dtype}, one TP rank, temperature {TEMPERATURE}; extra peak beyond the logits (their gradient "
-        f"included) as a multiple of the bf16 logits, by {counter}; time: median of {args.repeats} after a warm-up",
+        f"included) as a multiple of the bf16 logits, by {counter}"
+        + ("" if args.device == "cuda" else f" ({NOT_COUNTED} for fused: under that counter a compiled graph runs op "
+                                            "by op)")
+        + f"; time: median of {args.repeats} after a warm-up (the fused way's first call compiles)",
         "",
         table(results),
     ])

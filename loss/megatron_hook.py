@@ -56,7 +56,8 @@ class ActorLossConfig:
     entropy bonus and the sampling temperature. The recipe's config builds it from its keys.
 
     ``log_prob_chunk_size``: tokens whose float32 log-softmax is held at once
-    (``loss.vocab_parallel.chunk_rows``; 0: all of them, no chunking)."""
+    (``loss.vocab_parallel.chunk_rows``; 0: all of them, no chunking); ``fused_kernels``: each
+    chunk's passes as kernels ``torch.compile`` generates (verl's ``use_fused_kernels``)."""
 
     loss_mode: str = "vanilla"
     policy: PolicyLossSettings = PolicyLossSettings()
@@ -66,6 +67,7 @@ class ActorLossConfig:
     entropy_coeff: float = 0.0
     temperature: float = 1.0
     log_prob_chunk_size: int = DEFAULT_CHUNK_SIZE
+    fused_kernels: bool = False
 
     # Each field's rule, declared once: checked here, and by the recipe's config under its keys.
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
@@ -178,18 +180,19 @@ def response_log_probs(
     with_entropy: bool,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     reuse_logits: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 log-probs [b, R] of the micro-batch's response tokens and, if asked, the entropies
     [b, R] there (0 where ``response_mask`` is 0).
 
     ``logits`` is the vocab-parallel shard [b, s, V/tp] or, packed, [1, T, V/tp] (megatron GPTModel
-    output with ``parallel_output=True``). ``chunk_size`` and ``reuse_logits`` as in
+    output with ``parallel_output=True``). ``chunk_size``, ``reuse_logits`` and ``fused`` as in
     ``loss.vocab_parallel.vocab_parallel_log_probs_and_entropy``.
     """
     flat, positions, targets, where = _response_tokens(logits, micro_batch)
     # distinct rows of the logits by construction: the unchecked entry, which reads nothing back
     log_probs, entropy = log_probs_and_entropy(flat, positions, targets, temperature, with_entropy, chunk_size,
-                                               reuse_logits)
+                                               reuse_logits, fused)
     shape = micro_batch["response_mask"].shape
     log_probs = log_probs.new_zeros(shape).index_put(where, log_probs)
     entropy = None if entropy is None else entropy.new_zeros(shape).index_put(where, entropy)
@@ -228,7 +231,7 @@ def policy_loss_func(
     # Without an entropy bonus the entropy is only a metric: nothing differentiates it, so backward
     # computes no entropy gradient.
     log_probs, entropy = response_log_probs(
-        logits, micro_batch, cfg.temperature, True, cfg.log_prob_chunk_size, reuse_logits=True
+        logits, micro_batch, cfg.temperature, True, cfg.log_prob_chunk_size, reuse_logits=True, fused=cfg.fused_kernels
     )
 
     pg_loss, pg_metrics = compute_policy_loss(
@@ -272,6 +275,7 @@ def log_prob_func(
     logits: torch.Tensor,
     *,
     log_prob_chunk_size: int = DEFAULT_CHUNK_SIZE,
+    fused_kernels: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """megatron ``loss_func`` for forward-only passes (old / reference log-probs), e.g.
     ``partial(log_prob_func, cfg.temperature, False, log_prob_chunk_size=cfg.log_prob_chunk_size)``.
@@ -279,7 +283,8 @@ def log_prob_func(
     Returns a zero loss and ``{"log_probs": [b, R]}`` plus ``"entropy"`` [b, R] if asked, detached;
     R is the width of ``micro_batch["response_mask"]``.
     """
-    log_probs, entropy = response_log_probs(logits, micro_batch, temperature, with_entropy, log_prob_chunk_size)
+    log_probs, entropy = response_log_probs(logits, micro_batch, temperature, with_entropy, log_prob_chunk_size,
+                                            fused=fused_kernels)
     outputs = {"log_probs": log_probs.detach()}
     if entropy is not None:
         outputs["entropy"] = entropy.detach()

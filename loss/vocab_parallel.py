@@ -18,10 +18,17 @@ most 1x from 4 rows up — and less once the token cap ``DEFAULT_CHUNK_SIZE`` bi
 gradient may be written into the logits' own storage (``reuse_logits``), so backward needs no second
 logits-sized buffer either (bench/log_prob_memory.py measures all of this).
 
+Fused (``fused=True``, verl's ``use_fused_kernels``): the same arithmetic per chunk, but each pass
+over a chunk's logits is one kernel that ``torch.compile`` generates (the max; the sums; in backward
+the gradient, written in the logits' dtype), reading the logits' rows where they lie: no float32
+chunk is ever held, and the logits are read 2 (forward) and 1 (backward) times instead of the
+eager passes' ~10 reads and writes of float32. Needs a ``torch.compile`` backend (CUDA, CPU).
+
 megatron is imported inside the functions, not at module import: on Ascend, MindSpeed must patch
 megatron before anything imports it, and importing this module must not get in first.
 """
 
+import functools
 import math
 
 import torch
@@ -69,6 +76,46 @@ def _scaled_rows(logits: torch.Tensor, rows: torch.Tensor, temperature: float) -
     return scaled.div_(temperature) if temperature != 1.0 else scaled
 
 
+def _scaled(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = rows.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _chunk_max(logits, rows, temperature: float):
+    return _scaled(logits[rows], temperature).amax(dim=-1)
+
+
+def _chunk_sums(logits, rows, temperature: float, z_max, local, mine, with_entropy: bool):
+    """[sum e, z(target) - m, (sum e (z - m))] of e = exp(z - m), as the eager forward's."""
+    z = _scaled(logits[rows], temperature) - z_max.unsqueeze(-1)
+    e = z.exp()
+    sums = [e.sum(dim=-1), torch.where(mine, z.gather(1, local.unsqueeze(-1)).squeeze(-1), 0.0)]
+    if with_entropy:
+        sums.append((e * z).sum(dim=-1))
+    return torch.stack(sums)
+
+
+def _chunk_grad(logits, rows, temperature: float, lse, a, entropy, b, local, mine):
+    """The chunk's gradient in the logits' dtype, as the eager backward's: -a p, or with the
+    entropy's term -p (b (log p + H) + a); + a at the target."""
+    log_p = _scaled(logits[rows], temperature) - lse.unsqueeze(-1)
+    if b is None:
+        g = log_p.exp() * -a
+    else:
+        inner = (log_p + entropy.unsqueeze(-1)) * b
+        g = (inner if a is None else inner + a) * -log_p.exp()
+    if a is not None:
+        columns = torch.arange(logits.shape[-1], device=logits.device)
+        g = torch.where((columns == local.unsqueeze(-1)) & mine.unsqueeze(-1), g + a, g)
+    return g.to(logits.dtype)
+
+
+@functools.cache
+def _compiled(kernel):
+    """``kernel`` compiled once per process, for any number of rows (dynamic shapes)."""
+    return torch.compile(kernel, dynamic=True)
+
+
 class _LogProbsAndEntropy(torch.autograd.Function):
     """log p(target) and H = -sum_v p_v log p_v of p = softmax(logits / T) over all TP shards, for
     the rows ``positions`` of ``logits`` [M, V/tp].
@@ -85,7 +132,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, positions, targets, temperature, with_entropy, chunk, reuse_logits):
+    def forward(ctx, logits, positions, targets, temperature, with_entropy, chunk, reuse_logits, fused):
         group, rank, size = _tp_group_rank_size()
         vocab_start, local_vocab = rank * logits.shape[-1], logits.shape[-1]
         tokens = positions.numel()
@@ -94,17 +141,14 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         entropy = torch.empty_like(log_probs) if with_entropy else None
         for start in range(0, tokens, chunk):
             end = min(start + chunk, tokens)
-            z = _scaled_rows(logits, positions[start:end], temperature)
-            z_max = _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, group, size)
-            z.sub_(z_max.unsqueeze(-1))
+            rows = positions[start:end]
             local, mine = _local_targets(targets[start:end], vocab_start, local_vocab)
-            z_target = torch.where(mine, z.gather(1, local.unsqueeze(-1)).squeeze(-1), 0.0)
-            exp = z.exp_()  # z is not needed any more: e log e = xlogy(e, e) recovers it
-            sums = [exp.sum(dim=-1), z_target]
-            if with_entropy:
-                sums.append(torch.xlogy(exp, exp, out=exp).sum(dim=-1))
-            del z, exp
-            sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group, size)
+            if fused:
+                z_max = _all_reduce(_compiled(_chunk_max)(logits, rows, temperature), dist.ReduceOp.MAX, group, size)
+                sums = _compiled(_chunk_sums)(logits, rows, temperature, z_max, local, mine, with_entropy)
+            else:
+                sums, z_max = _eager_chunk_sums(logits, rows, temperature, local, mine, with_entropy, group, size)
+            sums = _all_reduce(sums, dist.ReduceOp.SUM, group, size)
             log_sum_exp = sums[0].log()
             log_probs[start:end] = sums[1] - log_sum_exp
             lse[start:end] = z_max + log_sum_exp
@@ -113,7 +157,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
 
         ctx.set_materialize_grads(False)  # an output nobody differentiates arrives as None
         ctx.save_for_backward(logits, positions, targets, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.reuse_logits = temperature, chunk, reuse_logits
+        ctx.temperature, ctx.chunk, ctx.reuse_logits, ctx.fused = temperature, chunk, reuse_logits, fused
         ctx.vocab = (vocab_start, local_vocab)
         return log_probs, entropy
 
@@ -121,7 +165,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         logits, positions, targets, lse, entropy = ctx.saved_tensors
         if grad_log_probs is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         if ctx.reuse_logits:
             # The logits are ours (see vocab_parallel_log_probs_and_entropy): rows nobody scored get a
             # zero gradient, each scored row is read before its gradient overwrites it, and rows
@@ -139,17 +183,36 @@ class _LogProbsAndEntropy(torch.autograd.Function):
             rows = positions[start:end]
             # a = dL/dlog p(target) / T, b = dL/dH / T, per token
             a = None if grad_log_probs is None else (grad_log_probs[start:end] * inv_t).unsqueeze(-1)
-            g = _scaled_rows(logits, rows, ctx.temperature).sub_(lse[start:end].unsqueeze(-1))  # log p
-            if grad_entropy is None:
-                g.exp_().mul_(-a)  # -a p
+            b = None if grad_entropy is None else (grad_entropy[start:end] * inv_t).unsqueeze(-1)
+            h = None if b is None else entropy[start:end]
+            local, mine = _local_targets(targets[start:end], vocab_start, local_vocab)
+            if ctx.fused:
+                g = _compiled(_chunk_grad)(logits, rows, ctx.temperature, lse[start:end], a, h, b, local, mine)
             else:
-                _entropy_term_(g, entropy[start:end], (grad_entropy[start:end] * inv_t).unsqueeze(-1), a)
-            if a is not None:  # + a at the target, on the shard that holds it
-                local, mine = _local_targets(targets[start:end], vocab_start, local_vocab)
-                g.scatter_add_(1, local.unsqueeze(-1), torch.where(mine.unsqueeze(-1), a, 0.0))
+                g = _scaled_rows(logits, rows, ctx.temperature).sub_(lse[start:end].unsqueeze(-1))  # log p
+                if b is None:
+                    g.exp_().mul_(-a)  # -a p
+                else:
+                    _entropy_term_(g, h, b, a)
+                if a is not None:  # + a at the target, on the shard that holds it
+                    g.scatter_add_(1, local.unsqueeze(-1), torch.where(mine.unsqueeze(-1), a, 0.0))
             grad.index_copy_(0, rows, g.to(grad.dtype))
             del g
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
+
+
+def _eager_chunk_sums(logits, rows, temperature, local, mine, with_entropy, group, size):
+    """The forward's per-chunk sums (before their SUM all-reduce) and the max, pass by pass on a
+    float32 copy of the chunk."""
+    z = _scaled_rows(logits, rows, temperature)
+    z_max = _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, group, size)
+    z.sub_(z_max.unsqueeze(-1))
+    z_target = torch.where(mine, z.gather(1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+    exp = z.exp_()  # z is not needed any more: e log e = xlogy(e, e) recovers it
+    sums = [exp.sum(dim=-1), z_target]
+    if with_entropy:
+        sums.append(torch.xlogy(exp, exp, out=exp).sum(dim=-1))
+    return torch.stack(sums), z_max
 
 
 def _entropy_term_(log_p: torch.Tensor, entropy: torch.Tensor, b: torch.Tensor, a: torch.Tensor | None) -> None:
@@ -187,6 +250,7 @@ def vocab_parallel_log_probs_and_entropy(
     with_entropy: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     reuse_logits: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 log softmax(logits / T)[target] and, if ``with_entropy``, the entropy of
     softmax(logits / T), over the full vocabulary, for the rows ``positions`` of ``logits``;
@@ -203,6 +267,7 @@ def vocab_parallel_log_probs_and_entropy(
     model's output passed straight in, which only the autograd graph holds (a second backward, or
     another autograd node that saved them, then fails autograd's in-place check instead of reading
     the gradient). A leaf, or a view of one, is the caller's own and is never overwritten.
+    ``fused``: each chunk's passes as kernels ``torch.compile`` generates (the module's docstring).
     """
     if logits.dim() != 2 or positions.dim() != 1 or positions.shape != targets.shape:
         raise ValueError(
@@ -213,16 +278,18 @@ def vocab_parallel_log_probs_and_entropy(
         ordered = positions.sort().values
         if bool((ordered[0] < 0) | (ordered[-1] >= logits.shape[0]) | (ordered.diff() == 0).any()):
             raise ValueError(f"positions must be distinct rows of the {logits.shape[0]} rows of logits")
-    return log_probs_and_entropy(logits, positions, targets, temperature, with_entropy, chunk_size, reuse_logits)
+    return log_probs_and_entropy(logits, positions, targets, temperature, with_entropy, chunk_size, reuse_logits,
+                                 fused)
 
 
 def log_probs_and_entropy(logits: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
-                          with_entropy: bool, chunk_size: int, reuse_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          with_entropy: bool, chunk_size: int, reuse_logits: bool,
+                          fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``vocab_parallel_log_probs_and_entropy`` without its check of ``positions``, which reads
     them back from the device: for callers whose positions are distinct rows by construction."""
     chunk = chunk_rows(positions.numel(), logits.shape[0], chunk_size)
     reuse = reuse_logits and logits.requires_grad and not _held_by_caller(logits)
-    return _LogProbsAndEntropy.apply(logits, positions, targets, temperature, with_entropy, chunk, reuse)
+    return _LogProbsAndEntropy.apply(logits, positions, targets, temperature, with_entropy, chunk, reuse, fused)
 
 
 class _SumOverContextParallel(torch.autograd.Function):

@@ -131,6 +131,18 @@ def test_verls_gpu_gspo_example_loads_onto_the_recipe_unchanged():
     assert cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.overlong_buffer.enable
 
 
+def test_fused_kernels_run_where_torch_compile_does_and_are_listed_elsewhere():
+    fused = ["actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"]
+    cpu = load_config(TINY, fused)
+    assert cpu.actor_rollout_ref.model.use_fused_kernels and cpu.actor_loss.fused_kernels
+    assert any(k.startswith("actor_rollout_ref.model.fused_kernel_options.impl_backend") for k in cpu.ignored)
+    npu = load_config(BIG, fused)  # a verl script that sets it runs as it is, with the chunked kernels
+    assert not npu.actor_loss.fused_kernels
+    assert any(k.startswith("actor_rollout_ref.model.use_fused_kernels=True (torch.compile has no NPU backend")
+               for k in npu.ignored)
+    assert not load_config(TINY, []).actor_loss.fused_kernels  # verl's default
+
+
 def test_reward_manager():
     with pytest.raises(ConfigError, match="applied by the dapo reward manager.*reward_manager=dapo"):
         load_config(TINY, ["reward.reward_manager.name=naive", "reward_model.overlong_buffer.enable=true",

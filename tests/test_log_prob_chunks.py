@@ -6,6 +6,8 @@
 - the gradient written into logits the function owns, never into a leaf;
 - packed micro-batches (rows back to back, ``sequence_starts``) give the padded ones' numbers;
 - malformed positions are refused;
+- the fused kernels (verl's ``use_fused_kernels``, torch.compile) equal the eager chunks, on one
+  rank and on TP 2 (and, on a GPU, hold no float32 chunk);
 - on TP 1 and 2 gloo ranks: every chunking, with and without reusing the logits, equals
   megatron's ``vocab_parallel_cross_entropy`` (the log-prob path this replaced) and full-vocabulary
   float64 (which the replaced entropy matched, tests/test_loss_megatron_hook.py) within rounding,
@@ -279,6 +281,100 @@ def test_log_prob_func_takes_the_chunk_size_by_keyword(one_rank):
     tolerance = _log_softmax_tolerance(logits.abs().max().item() / TEMPERATURE, 32)
     for outputs in (chunked, default):
         assert all((outputs[k] - whole[k]).abs().max() < tolerance for k in ("log_probs", "entropy"))
+
+
+# --- fused kernels (torch.compile) ---------------------------------------------------------------------
+def _fused_against_eager(logits_shard: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                         weights: torch.Tensor) -> dict:
+    """Log-probs, entropies and gradients (of the log-probs alone, and with the entropy's) of the
+    eager and the fused kernels on the same shard, and whether each wrote its gradient into the logits."""
+    out = {}
+    for fused in (False, True):
+        for entropy_grad in (False, True):
+            logits = _model_output(logits_shard)
+            lp, ent = vocab_parallel_log_probs_and_entropy(logits, positions, targets, TEMPERATURE, True, 3,
+                                                           reuse_logits=True, fused=fused)
+            loss = (lp * weights[0]).sum() + ((ent * weights[1]).sum() if entropy_grad else 0.0)
+            (grad,) = torch.autograd.grad(loss, logits)
+            out[fused, entropy_grad] = lp, ent, grad.float(), grad.data_ptr() == logits.data_ptr()
+    return out
+
+
+def _fused_errors(logits_shard, positions, targets, weights) -> dict:
+    runs = _fused_against_eager(logits_shard, positions, targets, weights)
+    errors = {"reused": all(r[3] for r in runs.values())}
+    for entropy_grad in (False, True):
+        eager, fused = runs[False, entropy_grad], runs[True, entropy_grad]
+        errors[f"entgrad{entropy_grad}"] = [(a - b).abs().max().item() for a, b in zip(eager[:3], fused[:3])]
+    return errors
+
+
+def _check_fused(errors: dict, logits_max: float, vocab: int) -> None:
+    """Fused and eager compute the same arithmetic in another order: equal within rounding; the
+    bf16 gradient within one bf16 rounding of it."""
+    values_tol = _log_softmax_tolerance(logits_max, vocab)
+    grad_tol = _log_softmax_tolerance(logits_max, vocab, torch.bfloat16)
+    assert errors["reused"], errors
+    for name in ("entgradFalse", "entgradTrue"):
+        lp_err, ent_err, grad_err = errors[name]
+        assert lp_err < values_tol and ent_err < values_tol and grad_err < grad_tol, (name, errors)
+
+
+def test_fused_kernels_equal_the_eager_chunks(one_rank):
+    """verl's use_fused_kernels: the chunks' passes compiled (torch.compile; inductor's C++ here),
+    bf16 logits, temperature, unordered rows with some unscored, with and without the entropy's
+    gradient, the gradient written into the logits."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(40, 96, generator=gen)).to(torch.bfloat16)
+    positions = torch.randperm(40, generator=gen)[:29]
+    targets = torch.randint(0, 96, (29,), generator=gen)
+    weights = torch.randn(2, 29, generator=gen)
+    _check_fused(_fused_errors(logits, positions, targets, weights),
+                 logits.float().abs().max().item() / TEMPERATURE, 96)
+
+
+@pytest.mark.gpu
+def test_fused_kernels_hold_no_float32_chunk_on_a_gpu(one_rank):
+    """The allocator's count, as the eager test above: the fused kernels read the rows where they lie,
+    so the extra peak is the bf16 gradient chunk (1/16 of the rows) and per-token statistics. (On the
+    CPU the tensor counter is a dispatch mode, under which torch.compile runs its graph eagerly.)"""
+    tokens, vocab = 4096, 151_936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    values = torch.randn(tokens, vocab, generator=gen, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(tokens, device="cuda")
+    targets = torch.randint(0, vocab, (tokens,), generator=gen, device="cuda")
+    for _ in range(2):  # the first call compiles
+        logits = _model_output(values.clone())
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(logits, positions, targets, TEMPERATURE, True,
+                                                                  reuse_logits=True, fused=True)
+        (grad,) = torch.autograd.grad(log_probs.sum() + entropy.sum(), logits)
+        torch.cuda.synchronize()
+    assert grad.data_ptr() == logits.data_ptr()
+    ratio = (torch.cuda.max_memory_allocated() - before) / (2 * tokens * vocab)
+    assert ratio <= 0.125, f"extra peak {ratio:.3f}x the bf16 logits"
+
+
+def _fused_job(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    gen = torch.Generator().manual_seed(7)
+    full = (3 * torch.randn(13, VOCAB, generator=gen)).to(torch.bfloat16)
+    full[0] += 60.0  # the max all-reduce matters
+    positions = torch.tensor([7, 0, 3, 12, 4, 9, 1, 10])
+    targets = torch.randint(0, VOCAB, (len(positions),), generator=gen)  # on either shard
+    weights = torch.randn(2, len(positions), generator=gen)
+    errors = _fused_errors(full.chunk(world_size, -1)[rank].contiguous(), positions, targets, weights)
+    return {**errors, "logits_max": full.float().abs().max().item() / TEMPERATURE}
+
+
+@pytest.mark.slow
+def test_fused_kernels_equal_the_eager_chunks_on_tp2_ranks(tmp_path):
+    for r in run_ranks(_fused_job, 2, tmp_path):
+        _check_fused(r, r["logits_max"], VOCAB)
 
 
 # --- TP 1 and 2 on gloo ranks -----------------------------------------------------------------------

@@ -24,14 +24,27 @@ from recipe.rollout import auto_engine, engines_for
 def normalise(cfg: RecipeConfig, given: Mapping[str, Any], name: str) -> RecipeConfig:
     """The values decided from other keys (``given``: the keys as written), before any check reads
     them: the rollout engine and its dtype, the log-prob passes' batch keys, the asynchronous modes'
-    IS correction, and a colocated rollout's pool."""
-    cfg = _log_prob_passes_follow_actor(_resolve_rollout_engine(cfg, name))
+    IS correction, a colocated rollout's pool, and the fused log-prob kernels where they run."""
+    cfg = _fused_kernels_where_compiled(_log_prob_passes_follow_actor(_resolve_rollout_engine(cfg, name)))
     return _colocated_rollout_on_training_devices(_rollout_correction_when_async(cfg, given))
 
 
 def problems(cfg: RecipeConfig, name: str) -> list[str]:
     """Every problem across keys of a normalised config, each naming its keys and the fix."""
     return _cross_checks(cfg) + _pool_problems(cfg) + _fully_async_problems(cfg) + _layout_problems(cfg, name)
+
+
+def _fused_kernels_where_compiled(cfg: RecipeConfig) -> RecipeConfig:
+    """``model.use_fused_kernels`` compiles the log-prob kernels with torch.compile, which has no NPU
+    backend in the pinned torch 2.7.1 + torch_npu: there the chunked kernels run, and the start says so
+    (a verl script that sets it runs as it is)."""
+    model = cfg.actor_rollout_ref.model
+    if not (model.use_fused_kernels and cfg.layout.cluster.device == "npu"):
+        return cfg
+    arr = dataclasses.replace(cfg.actor_rollout_ref, model=dataclasses.replace(model, use_fused_kernels=False))
+    why = "torch.compile has no NPU backend in the pinned torch_npu stack: the chunked kernels run"
+    return dataclasses.replace(cfg, actor_rollout_ref=arr,
+                               ignored=cfg.ignored + (f"actor_rollout_ref.model.use_fused_kernels=True ({why})",))
 
 
 def _resolve_rollout_engine(cfg: RecipeConfig, name: str) -> RecipeConfig:

@@ -52,6 +52,8 @@ class ModelConfig:
     # the actor's micro-batches packed: their sequences back to back, no padding (docs/kernels.md);
     # false, or with megatron's DotProductAttention (use_flash_attn=false): padded to their longest
     use_remove_padding: bool = True
+    # the log-prob and entropy chunks as kernels torch.compile fuses (docs/kernels.md); CUDA and CPU
+    use_fused_kernels: bool = False
 
 
 # The loss keys' defaults are the loss package's (verl's), not repeated here.
@@ -350,4 +352,5 @@ class RecipeConfig:
             loss_mode=a.policy_loss.loss_mode, policy=policy, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
             kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
             temperature=self.actor_rollout_ref.rollout.temperature, log_prob_chunk_size=a.megatron.log_prob_chunk_size,
+            fused_kernels=self.actor_rollout_ref.model.use_fused_kernels,
         )

@@ -102,7 +102,6 @@ ONLY: dict[str, tuple[tuple, str]] = {
 _CHUNKED = ("the log-probs and entropy are always computed in chunks of tokens, recomputed in the backward pass, "
             "without an fp32 copy of the logits (actor_rollout_ref.actor.megatron.log_prob_chunk_size)")
 ALWAYS_ON: dict[str, str] = {
-    f"{ARR}.model.use_fused_kernels": _CHUNKED,
     **{f"{section}.{key}": _CHUNKED for section in (ACTOR, REF)
        for key in ("entropy_checkpointing", "entropy_from_logits_with_chunking")},
 }
@@ -126,6 +125,8 @@ IGNORED: dict[str, str] = {
         "bias_dropout_fusion", "gradient_accumulation_fusion", "deallocate_pipeline_outputs", "persist_layer_norm",
         "moe_enable_deepep", "moe_token_dispatcher_type",
         "moe_router_dtype")},  # the router always computes in fp32 here
+    f"{ARR}.model.fused_kernel_options.": "model.use_fused_kernels compiles this package's own log-prob kernels "
+                                          "with torch.compile (triton on CUDA)",
     f"{ACTOR}.profiler.": _PROFILING,
     f"{REF}.profiler.": _PROFILING,
     f"{ROLLOUT}.profiler.": _PROFILING,

@@ -54,7 +54,8 @@ class ActorWorker:
         if rank == 0:  # what computes, once per run (Ray shows a worker's stderr on the driver's)
             chunk = s.loss.log_prob_chunk_size
             print(f"actor on {platform}: {self.actor.kernels.describe()}; log-probs and entropy: "
-                  f"{f'chunks of up to {chunk} tokens' if chunk else 'one chunk a micro-batch'}; micro-batches: "
+                  f"{f'chunks of up to {chunk} tokens' if chunk else 'one chunk a micro-batch'}"
+                  f"{', fused (torch.compile)' if s.loss.fused_kernels else ''}; micro-batches: "
                   f"{'packed' if self.actor.packs else 'padded' + _why_padded(s.pack)}; "
                   f"optimizer: {self.actor.optimizer_path}", file=sys.stderr, flush=True)
         self.moves: dict[str, float] = {}  # offload metrics since the driver last read them
@@ -134,7 +135,8 @@ class ActorWorker:
         from loss.megatron_hook import log_prob_func
 
         loss = self.settings.loss
-        loss_fn = partial(log_prob_func, loss.temperature, False, log_prob_chunk_size=loss.log_prob_chunk_size)
+        loss_fn = partial(log_prob_func, loss.temperature, False, log_prob_chunk_size=loss.log_prob_chunk_size,
+                          fused_kernels=loss.fused_kernels)
         micro = _fitting_micro_batch(len(batch[INPUT_IDS]), sizes.micro_batch_rows)
         return shard.forward_only(batch, micro, loss_fn, sizes.max_tokens)["log_probs"].cpu()
 
