@@ -72,13 +72,13 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
 def _scaled_rows(logits: torch.Tensor, rows: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 ``logits[rows] / temperature`` in fresh memory (``index_select`` copies; ``.float()``
     of a float32 copy is that copy), which the caller may overwrite."""
-    scaled = logits.index_select(0, rows).float()
-    return scaled.div_(temperature) if temperature != 1.0 else scaled
+    return _scaled(logits.index_select(0, rows), temperature)
 
 
-def _scaled(rows: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = rows.float()
-    return z / temperature if temperature != 1.0 else z
+def _scaled(gathered: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 ``gathered / temperature``, dividing in place: ``gathered`` is a fresh gather of rows."""
+    z = gathered.float()
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def _chunk_max(logits, rows, temperature: float):
