@@ -8,6 +8,16 @@ import torch
 
 MAIN_JOB_S = 2400  # hang guard for the README's main job on a loaded 2-core machine (alone: ~2.5 min)
 
+# torch.compile's C++ kernels (the fused log-prob kernels) under another CPU kernel path: torch's
+# inductor cache reuses a precompiled header built for the machine's own ISA whatever
+# ATEN_CPU_CAPABILITY says, and the kernels then fail to compile. One cache per kernel path; rank
+# processes inherit it.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.environ['ATEN_CPU_CAPABILITY']}")
+
 
 def pytest_collection_modifyitems(config, items):
     has_npu = importlib.util.find_spec("torch_npu") is not None

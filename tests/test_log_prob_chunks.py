@@ -320,6 +320,7 @@ def _check_fused(errors: dict, logits_max: float, vocab: int) -> None:
         assert lp_err < values_tol and ent_err < values_tol and grad_err < grad_tol, (name, errors)
 
 
+@pytest.mark.numerics
 def test_fused_kernels_equal_the_eager_chunks(one_rank):
     """verl's use_fused_kernels: the chunks' passes compiled (torch.compile; inductor's C++ here),
     bf16 logits, temperature, unordered rows with some unscored, with and without the entropy's
@@ -372,6 +373,7 @@ def _fused_job(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_fused_kernels_equal_the_eager_chunks_on_tp2_ranks(tmp_path):
     for r in run_ranks(_fused_job, 2, tmp_path):
         _check_fused(r, r["logits_max"], VOCAB)
